@@ -1,0 +1,67 @@
+"""Reading checkpoint directories: config.json and safetensors files, with clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from safetensors import SafetensorError, safe_open
+
+from .errors import CheckpointError
+
+
+def read_config(path: str | Path) -> dict:
+    directory = Path(path)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: no such checkpoint directory")
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{config_file}: missing (a checkpoint directory needs config.json)")
+    try:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{config_file}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_file}: expected a JSON object at the top level")
+    return config
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    directory = Path(path)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from None
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index}: names shard(s) that do not exist: {', '.join(missing)}")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no *.safetensors weight files")
+    return files
+
+
+def check_safetensors_header(file: Path) -> list[str]:
+    """Validate the header with the safetensors library; return the tensor names."""
+    try:
+        with safe_open(str(file), framework="numpy") as handle:
+            return list(handle.keys())
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{file}: corrupt or truncated safetensors file ({exc})") from None
+
+
+def load_weights(path: str | Path) -> dict[str, mx.array]:
+    """Load every tensor of a checkpoint directory as mlx arrays."""
+    weights: dict[str, mx.array] = {}
+    for file in safetensors_files(path):
+        check_safetensors_header(file)
+        try:
+            weights.update(mx.load(str(file)))
+        except (RuntimeError, ValueError, OSError) as exc:
+            raise CheckpointError(f"{file}: could not be read ({exc})") from None
+    return weights

@@ -1,0 +1,1 @@
+"""The speculative decoding loop: target capture, drafting, acceptance, cache commit."""

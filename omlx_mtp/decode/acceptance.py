@@ -1,0 +1,44 @@
+"""Deciding how many drafts each row keeps — vectorised over rows and positions, no host sync.
+
+Greedy rows keep drafts while they equal the target's argmax and then emit the target's own
+token.  Sampled rows use rejection sampling: keep draft d with probability min(1, p(d)/q(d));
+at the first rejection draw from normalize(max(p - q, 0)); after K accepted drafts draw the
+bonus from p.  The emitted sequence then has exactly the target's distribution.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+def leading_true(flags: mx.array) -> mx.array:
+    """[B, K] bool -> [B] count of leading True values."""
+    if flags.shape[1] == 0:
+        return mx.zeros((flags.shape[0],), dtype=mx.int32)
+    return mx.cumprod(flags.astype(mx.int32), axis=1).sum(axis=1)
+
+
+def accept_greedy(drafts: mx.array, target_tokens: mx.array) -> tuple[mx.array, mx.array]:
+    """drafts [B, K], target argmax [B, K+1] -> (accepted count [B], next token [B])."""
+    K = drafts.shape[1]
+    n = leading_true(drafts == target_tokens[:, :K])
+    return n, mx.take_along_axis(target_tokens, n[:, None], axis=1)[:, 0]
+
+
+def accept_sampled(drafts: mx.array, q: mx.array, p: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:
+    """drafts [B, K] drawn from q [B, K, V]; p [B, K+1, V] target -> (accepted [B], next token [B])."""
+    K = drafts.shape[1]
+    accept_key, draw_key = mx.random.split(key)
+    index = drafts[..., None]
+    p_draft = mx.take_along_axis(p[:, :K], index, axis=-1)[..., 0]
+    q_draft = mx.take_along_axis(q, index, axis=-1)[..., 0]
+    u = mx.random.uniform(shape=p_draft.shape, key=accept_key)
+    n = leading_true(u * q_draft < p_draft)  # u < p/q without dividing
+    residual = mx.maximum(p[:, :K] - q, 0.0)
+    candidates = mx.concatenate([residual, p[:, K:]], axis=1)  # [B, K+1, V]
+    chosen = mx.take_along_axis(candidates, n[:, None, None], axis=1)[:, 0]
+    fallback = mx.take_along_axis(p, n[:, None, None], axis=1)[:, 0]
+    # p == q up to rounding leaves no residual mass; p itself is then the exact answer.
+    chosen = mx.where(chosen.sum(axis=-1, keepdims=True) > 0, chosen, fallback)
+    token = mx.random.categorical(mx.log(chosen), key=draw_key)
+    return n, token.astype(drafts.dtype)

@@ -40,6 +40,7 @@ class TinySpec:
     global_head_dim: int = 32
     num_heads: int = 4
     num_kv_heads: int = 2
+    k_eq_v: bool = False  # 31B style: full layers use K as V, with their own K/V head count
     drafter_hidden: int = 32
     drafter_layers: int = 2
     centroid_head: bool = False
@@ -68,7 +69,7 @@ def target_text_config(spec: TinySpec) -> dict:
         "rms_norm_eps": 1e-6,
         "final_logit_softcapping": 30.0,
         "tie_word_embeddings": True,
-        "attention_k_eq_v": False,
+        "attention_k_eq_v": spec.k_eq_v,
         "enable_moe_block": False,
         "max_position_embeddings": 4096,
         "rope_parameters": {
@@ -129,12 +130,15 @@ def assistant_config(spec: TinySpec) -> dict:
 
 
 def _spell(config: dict, spec: TinySpec) -> dict:
+    full = {"head_dim": spec.global_head_dim}
+    if config.get("attention_k_eq_v"):
+        full["num_key_value_heads"] = 1
     if spec.spelling == "per_layer":
-        config["per_layer_config"] = {
-            str(i): {"head_dim": spec.global_head_dim} for i, t in enumerate(config["layer_types"]) if t == FULL
-        }
+        config["per_layer_config"] = {str(i): dict(full) for i, t in enumerate(config["layer_types"]) if t == FULL}
     else:
-        config["global_head_dim"] = spec.global_head_dim
+        config["global_head_dim"] = full["head_dim"]
+        if "num_key_value_heads" in full:
+            config["num_global_key_value_heads"] = full["num_key_value_heads"]
     return config
 
 

@@ -1,0 +1,124 @@
+"""One request, plain or speculative, timed the same way; shared by the CLI, demo and bench."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+
+from .decode.loop import DecodeStats, Request, RowState, SpeculativeDecoder
+from .decode.target import Gemma4Target
+from .drafters import load_drafter
+from .errors import MTPError
+from .models import load_target
+
+
+@dataclass
+class Outcome:
+    row: RowState
+    mtp: bool
+    prefill_seconds: float
+    decode_seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        # The first token comes out of prefill; decode speed counts the ones after it.
+        after_first = max(len(self.row.generated) - 1, 0)
+        return after_first / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    def as_dict(self, tokenizer=None) -> dict:
+        stats = self.row.stats if self.mtp else DecodeStats()
+        out = {
+            "text": tokenizer.decode(self.row.generated) if tokenizer is not None else None,
+            "tokens": list(self.row.generated),
+            "generated_tokens": len(self.row.generated),
+            "prompt_tokens": len(self.row.request.prompt),
+            "finish_reason": self.row.finish_reason,
+            "mtp": self.mtp,
+            "tokens_per_second": self.tokens_per_second,
+            "prefill_seconds": self.prefill_seconds,
+        }
+        out.update(stats.as_dict())
+        return out
+
+
+class Session:
+    """A loaded target (and optional drafter) that can run requests either way."""
+
+    def __init__(self, model, tokenizer=None, drafter=None, draft_tokens: int = 3, query_offset: int = 0):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.target = Gemma4Target(model)
+        self.drafter = drafter
+        self.decoder = SpeculativeDecoder(self.target, drafter, draft_tokens=draft_tokens, query_offset=query_offset)
+
+    @classmethod
+    def load(cls, model_dir: str | Path, drafter_dir: str | Path | None = None, **kwargs) -> "Session":
+        model, tokenizer, _ = load_target(model_dir)
+        session = cls(model, tokenizer, None, **kwargs)
+        if drafter_dir is not None:
+            session.drafter = load_drafter(drafter_dir, session.target)
+            session.decoder.drafter = session.drafter
+            session.decoder.drafter_kinds = sorted(set(session.drafter.layer_types))
+        return session
+
+    def stop_tokens(self) -> frozenset:
+        if self.tokenizer is None:
+            return frozenset()
+        return frozenset(self.tokenizer.eos_token_ids)
+
+    def encode(self, text: str, chat: bool = False) -> list[int]:
+        if self.tokenizer is None:
+            raise MTPError("this model has no tokenizer; pass token ids")
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise MTPError("--chat: the tokenizer has no chat template")
+            return list(
+                self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+            )
+        return list(self.tokenizer.encode(text))
+
+    def run(self, request: Request, mtp: bool = True, seed: int | None = None, draft_tokens: int | None = None) -> Outcome:
+        if mtp and self.drafter is None:
+            raise MTPError("MTP needs a drafter: pass --drafter DIR (or --no-mtp for plain decoding)")
+        return run_mtp(self.decoder, request, seed, draft_tokens) if mtp else run_plain(self.model, request, seed)
+
+
+def run_mtp(decoder: SpeculativeDecoder, request: Request, seed=None, draft_tokens=None) -> Outcome:
+    start = time.perf_counter()
+    first = None
+    rows = None
+    for rows, _ in decoder.stream([request], seed=seed, draft_tokens=draft_tokens):
+        if first is None:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return Outcome(rows[0], True, first - start, end - first)
+
+
+def run_plain(model, request: Request, seed=None, prefill_step: int = 512) -> Outcome:
+    """Plain decoding through mlx-lm's own loop and caches (the reference MTP must match)."""
+    if seed is not None:
+        mx.random.seed(seed)
+    params = request.params
+    row = RowState(request, params.processors(), mx.array(list(request.prompt), dtype=mx.int32))
+    start = time.perf_counter()
+    first = None
+    steps = generate_step(
+        mx.array(list(request.prompt), dtype=mx.int32),
+        model,
+        max_tokens=request.max_tokens,
+        sampler=params.mlx_sampler(),
+        logits_processors=row.processors or None,
+        prefill_step_size=prefill_step,
+    )
+    for token, _ in steps:
+        if first is None:
+            first = time.perf_counter()
+        row.emit([int(token)])
+        if row.finish_reason is not None:
+            break
+    end = time.perf_counter()
+    return Outcome(row, False, first - start, end - first)

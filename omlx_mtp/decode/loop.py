@@ -230,7 +230,7 @@ class SpeculativeDecoder:
     def _draft(self, rows, cache, bonus, hidden, K: int, key):
         B = bonus.shape[0]
         if K == 0:
-            return mx.zeros((B, 0), dtype=mx.int32), None
+            return mx.zeros((B, 0), dtype=mx.int32), mx.zeros((B, 0, self.target.vocab_size), dtype=mx.float32)
         shared_kv, masks = {}, {}
         for kind in self.drafter_kinds:
             source = self.target.kv_source(cache, kind)

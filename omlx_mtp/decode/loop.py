@@ -234,9 +234,9 @@ class SpeculativeDecoder:
         shared_kv, masks = {}, {}
         for kind in self.drafter_kinds:
             source = self.target.kv_source(cache, kind)
-            window = self.target.sliding_window if kind == "sliding_attention" else None
+            span = self.drafter.visible_span(kind, self.target.sliding_window)
             shared_kv[kind] = source.state
-            masks[kind] = source.visible_positions(window)[:, None, None, :]
+            masks[kind] = source.visible_positions(span)[:, None, None, :]
         lengths = cache[0].lengths
         if all(n == lengths[0] for n in lengths):
             query_position = lengths[0] + self.query_offset

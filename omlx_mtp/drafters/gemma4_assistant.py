@@ -90,6 +90,12 @@ class Gemma4AssistantDrafter(nn.Module):
     def layer_types(self) -> list[str]:
         return list(self.args.layer_types)
 
+    def visible_span(self, layer_type: str, target_window: int) -> int | None:
+        """How many of the latest committed target positions a layer reads (None: all).
+        transformers' reference lets sliding layers see the last window + 1 positions
+        (a bidirectional window around the drafter's query); we follow the reference."""
+        return target_window + 1 if layer_type == SLIDING else None
+
     def head(self, normed: mx.array) -> mx.array:
         if self.masked_embedding is not None:
             return self.masked_embedding(normed, self.model.embed_tokens)

@@ -1,0 +1,155 @@
+"""The command line: JSON output, MTP vs plain agreement, and one clear error for bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from omlx_mtp.cli import main
+from omlx_mtp.tiny import TinySpec, write_assistant
+
+FIELDS = {"text", "tokens", "generated_tokens", "mtp", "rounds", "drafted", "accepted", "acceptance_rate",
+          "tokens_per_round", "tokens_per_second"}
+
+
+def run_json(capsys, *args):
+    code = main(["generate", *args, "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return json.loads(captured.out)
+
+
+def test_generate_json_mtp_equals_plain(pair_31b, capsys):
+    common = ["--model", str(pair_31b.target_dir), "--prompt", "Hello there", "--max-tokens", "24"]
+    mtp = run_json(capsys, *common, "--drafter", str(pair_31b.drafter_dir), "--draft-tokens", "3")
+    plain = run_json(capsys, *common, "--no-mtp")
+    assert FIELDS <= set(mtp) and FIELDS <= set(plain)
+    assert mtp["mtp"] is True and plain["mtp"] is False
+    assert mtp["tokens"] == plain["tokens"] and mtp["text"] == plain["text"]
+    assert mtp["generated_tokens"] == len(mtp["tokens"]) == 24
+    assert mtp["drafted"] > 0 and mtp["rounds"] > 0
+
+
+def test_generate_chat_and_sampling_options(pair_e2b, capsys):
+    out = run_json(capsys, "--model", str(pair_e2b.target_dir), "--drafter", str(pair_e2b.drafter_dir),
+                   "--prompt", "hi", "--chat", "--temp", "0.8", "--top-p", "0.9", "--top-k", "40",
+                   "--repetition-penalty", "1.1", "--seed", "3", "--max-tokens", "16")
+    again = run_json(capsys, "--model", str(pair_e2b.target_dir), "--drafter", str(pair_e2b.drafter_dir),
+                     "--prompt", "hi", "--chat", "--temp", "0.8", "--top-p", "0.9", "--top-k", "40",
+                     "--repetition-penalty", "1.1", "--seed", "3", "--max-tokens", "16")
+    assert out["tokens"] == again["tokens"]  # seeded runs reproduce
+    assert out["generated_tokens"] == 16
+
+
+def test_console_script_runs(pair_31b):
+    beside_python = Path(sys.executable).parent / "omlx-mtp"
+    exe = str(beside_python) if beside_python.exists() else shutil.which("omlx-mtp")
+    if exe is None:
+        pytest.skip("the omlx-mtp console script is not installed (pip install -e .)")
+    proc = subprocess.run([exe, "generate", "--model", str(pair_31b.target_dir), "--drafter",
+                           str(pair_31b.drafter_dir), "--prompt", "x", "--max-tokens", "4", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["generated_tokens"] == 4
+
+
+def expect_error(capsys, args, *needles):
+    code = main(args)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "Traceback" not in err
+    assert err.startswith("omlx-mtp: error:")
+    assert len(err.strip().splitlines()) == 1
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+def gen_args(target, drafter):
+    return ["generate", "--model", str(target), "--drafter", str(drafter), "--prompt", "x", "--max-tokens", "2"]
+
+
+def test_missing_drafter(pair_31b, tmp_path, capsys):
+    expect_error(capsys, gen_args(pair_31b.target_dir, tmp_path / "nope"), "no such checkpoint directory")
+
+
+def test_missing_drafter_config(pair_31b, tmp_path, capsys):
+    (tmp_path / "d").mkdir()
+    expect_error(capsys, gen_args(pair_31b.target_dir, tmp_path / "d"), "config.json", "missing")
+
+
+def test_corrupt_drafter_weights(pair_31b, tmp_path, capsys):
+    broken = tmp_path / "broken"
+    shutil.copytree(pair_31b.drafter_dir, broken)
+    weights = broken / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    before = weights.read_bytes()
+    expect_error(capsys, gen_args(pair_31b.target_dir, broken), "model.safetensors", "corrupt or truncated")
+    assert weights.read_bytes() == before  # input left untouched
+
+
+def test_garbage_header(pair_31b, tmp_path, capsys):
+    broken = tmp_path / "garbage"
+    shutil.copytree(pair_31b.drafter_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"\xff" * 64)
+    expect_error(capsys, gen_args(pair_31b.target_dir, broken), "corrupt or truncated")
+
+
+def test_mismatched_drafter_names_both_numbers(pair_31b, tmp_path, capsys):
+    other = write_assistant(tmp_path / "other", TinySpec(hidden_size=96, vocab_size=384))
+    expect_error(capsys, gen_args(pair_31b.target_dir, other), "backbone_hidden_size 96 != target hidden_size 64",
+                 "vocab_size 384 != target vocab_size 512")
+
+
+def test_drafter_of_unknown_type(pair_31b, tmp_path, capsys):
+    odd = tmp_path / "odd"
+    shutil.copytree(pair_31b.drafter_dir, odd)
+    config = json.loads((odd / "config.json").read_text())
+    config["model_type"] = "llama"
+    (odd / "config.json").write_text(json.dumps(config))
+    expect_error(capsys, gen_args(pair_31b.target_dir, odd), "'llama' is not a known drafter")
+
+
+def test_target_of_unknown_type(pair_31b, tmp_path, capsys):
+    odd = tmp_path / "target"
+    shutil.copytree(pair_31b.target_dir, odd)
+    config = json.loads((odd / "config.json").read_text())
+    config["model_type"] = "mystery"
+    (odd / "config.json").write_text(json.dumps(config))
+    expect_error(capsys, gen_args(odd, pair_31b.drafter_dir), "'mystery' is not supported")
+
+
+def test_centroid_vocab_must_divide(pair_e2b, tmp_path, capsys):
+    odd = tmp_path / "centroid"
+    shutil.copytree(pair_e2b.drafter_dir, odd)
+    config = json.loads((odd / "config.json").read_text())
+    config["num_centroids"] = 24
+    (odd / "config.json").write_text(json.dumps(config))
+    expect_error(capsys, gen_args(pair_e2b.target_dir, odd), "vocab_size 512 is not a multiple of num_centroids 24")
+
+
+def test_bad_json_config(pair_31b, tmp_path, capsys):
+    odd = tmp_path / "badjson"
+    shutil.copytree(pair_31b.drafter_dir, odd)
+    (odd / "config.json").write_text("{not json")
+    expect_error(capsys, gen_args(pair_31b.target_dir, odd), "not valid JSON")
+
+
+def test_mtp_without_drafter(pair_31b, capsys):
+    expect_error(capsys, ["generate", "--model", str(pair_31b.target_dir), "--prompt", "x"], "--drafter")
+
+
+def test_bad_sampling_option(pair_31b, capsys):
+    expect_error(capsys, gen_args(pair_31b.target_dir, pair_31b.drafter_dir) + ["--temp", "-1"], "--temp")
+
+
+def test_python_dash_m(pair_31b):
+    proc = subprocess.run([sys.executable, "-m", "omlx_mtp.cli", "generate", "--model", str(pair_31b.target_dir),
+                           "--drafter", "/nonexistent", "--prompt", "x"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr

@@ -1,15 +1,17 @@
 """A K/V cache that can take back rejected draft positions, per row, at any length.
 
 mlx-lm's ``RotatingKVCache`` overwrites slots once it wraps, so trimming it cannot bring back
-what a rejected draft overwrote.  This cache records the absolute position held by every slot.
-Full-attention layers grow linearly (slot == position); sliding layers use a ring with
-``window + slack`` slots, where ``slack`` is at least the number of positions one forward writes,
-so a write never evicts a position that any query of the same or a later forward can still see.
-Masks are built from the recorded positions, so rows may sit at different lengths
-(per-row acceptance) and rejected slots are invisible after ``commit``.
+what a rejected draft overwrote.  Here every slot's absolute position is recorded.  Full-attention
+layers grow linearly (slot == position); sliding layers use a ring of ``window + slack`` slots,
+where ``slack`` is at least the number of positions one forward writes, so a write never evicts a
+position that any query of the same or a later forward can still see.  Masks come from the
+recorded positions, so rows may sit at different lengths (per-row acceptance) and rejected slots
+are invisible after ``commit``.
 
-The class speaks mlx-lm's cache protocol (``offset``, ``update_and_fetch``, ``make_mask``,
-``state``), so mlx-lm's own attention layers run on it unchanged.
+All layers of one attention type move in lockstep, so their bookkeeping (lengths, positions,
+masks) lives in one shared ``SlotTable``; each layer's cache holds only its keys and values.
+The cache speaks mlx-lm's protocol (``offset``, ``update_and_fetch``, ``make_mask``, ``state``),
+so mlx-lm's own attention layers run on it unchanged.
 """
 
 from __future__ import annotations
@@ -19,23 +21,131 @@ import mlx.core as mx
 _GROW = 256
 
 
-class PositionalKVCache:
+class SlotTable:
     def __init__(self, batch_size: int = 1, window: int | None = None, slack: int = 64):
-        self.batch_size = batch_size
         self.window = window
         self.capacity = None if window is None else window + slack
-        self.keys = None
-        self.values = None
         self.positions = mx.full((batch_size, 0), -1, dtype=mx.int32)
         self.lengths = [0] * batch_size  # committed tokens per row; host-side, known after acceptance
+        self._plan = None
+
+    @property
+    def uniform(self) -> bool:
+        return all(n == self.lengths[0] for n in self.lengths)
+
+    @property
+    def offset(self):
+        return self.lengths[0] if self.uniform else mx.array(self.lengths, dtype=mx.int32)
+
+    def size_for(self, L: int, current: int) -> int:
+        """Slots a buffer needs before a forward of L tokens."""
+        if self.capacity is not None:
+            return self.capacity
+        needed = max(self.lengths) + L
+        return current if needed <= current else ((needed + _GROW - 1) // _GROW) * _GROW
+
+    def plan(self, L: int, current: int):
+        """(slots written, positions after the write) for a forward of L tokens — computed once
+        per forward and shared by every layer of this type."""
+        key = (L, current, tuple(self.lengths))
+        if self._plan is not None and self._plan[0] == key:
+            return self._plan[1]
+        new_positions = mx.array(self.lengths, dtype=mx.int32)[:, None] + mx.arange(L, dtype=mx.int32)[None]
+        if self.capacity is None:
+            slots = new_positions
+        else:
+            if L > self.capacity - self.window:
+                raise ValueError(f"a forward of {L} tokens needs slack >= {L} in a sliding cache")
+            slots = mx.remainder(new_positions, self.capacity)
+        positions = _pad_axis(self.positions, self.size_for(L, current), 1, -1)
+        positions = mx.put_along_axis(positions, slots, new_positions, axis=1)
+        self._plan = (key, (slots, positions))
+        return slots, positions
+
+    def fetch_size(self, L: int, current: int) -> int:
+        """How many slots attention reads after a forward of L tokens: just the written prefix
+        while every slot there holds its own position (equal lengths, ring not wrapped)."""
+        if self.uniform and (self.capacity is None or self.lengths[0] + L <= self.capacity):
+            return self.lengths[0] + L
+        return max(self.lengths) + L if self.capacity is None else self.capacity
+
+    def make_mask(self, N: int, current: int, window_size: int | None = None, as_array: bool = False):
+        window = window_size or self.window
+        size = self.fetch_size(N, current)
+        prefix = self.uniform and size == self.lengths[0] + N
+        if prefix and not as_array and (window is None or size <= window):
+            return None if N == 1 else "causal"
+        _, positions = self.plan(N, current)
+        query = mx.array(self.lengths, dtype=mx.int32)[:, None, None] + mx.arange(N, dtype=mx.int32)[None, :, None]
+        key = positions[:, None, :size]
+        mask = (key >= 0) & (key <= query)
+        if window is not None:
+            mask = mask & (key > query - window)
+        return mask[:, None]  # [B, 1, N, S]
+
+    def commit(self, lengths: list[int]):
+        """Keep positions < lengths[r] in row r; everything written beyond becomes invisible."""
+        self.lengths = list(lengths)
+        limit = mx.array(self.lengths, dtype=mx.int32)[:, None]
+        self.positions = mx.where(self.positions < limit, self.positions, -1)
+
+    def advance(self, n: int):
+        """Commit everything the last forward wrote (prefill)."""
+        self.lengths = [length + n for length in self.lengths]
+
+    def shrink_slack(self, slack: int):
+        """Returns the slot gather index for a smaller ring (or None when nothing changes)."""
+        new_capacity = None if self.window is None else self.window + slack
+        if new_capacity is None or new_capacity >= self.capacity:
+            return None
+        # New slot s holds the one position p in [length - new_capacity, length) with p = s mod new_capacity.
+        base = mx.array(self.lengths, dtype=mx.int32)[:, None] - new_capacity
+        wanted = base + mx.remainder(mx.arange(new_capacity, dtype=mx.int32)[None] - base, new_capacity)
+        old_slots = mx.remainder(wanted, self.capacity)
+        held = mx.take_along_axis(_pad_axis(self.positions, self.capacity, 1, -1), old_slots, axis=1)
+        self.positions = mx.where((wanted >= 0) & (held == wanted), wanted, -1)
+        self.capacity = new_capacity
+        return old_slots
+
+    def visible(self, span: int | None) -> mx.array:
+        """[B, S] committed slots a drafter may read: all of them, or the latest ``span``."""
+        lengths = mx.array(self.lengths, dtype=mx.int32)[:, None]
+        visible = (self.positions >= 0) & (self.positions < lengths)
+        if span is not None:
+            visible = visible & (self.positions >= lengths - span)
+        return visible
+
+    @classmethod
+    def stack(cls, tables: list["SlotTable"]) -> "SlotTable":
+        out = cls(1, window=tables[0].window, slack=0)
+        out.capacity = tables[0].capacity
+        out.lengths = [n for t in tables for n in t.lengths]
+        size = max(t.positions.shape[1] for t in tables)
+        out.positions = mx.concatenate([_pad_axis(t.positions, size, 1, -1) for t in tables], axis=0)
+        return out
+
+    def select(self, rows: list[int]) -> "SlotTable":
+        out = SlotTable(1, window=self.window, slack=0)
+        out.capacity = self.capacity
+        out.lengths = [self.lengths[r] for r in rows]
+        out.positions = self.positions[mx.array(rows, dtype=mx.int32)]
+        return out
+
+
+class PositionalKVCache:
+    def __init__(self, table: SlotTable):
+        self.table = table
+        self.keys = None
+        self.values = None
 
     # -- mlx-lm cache protocol -------------------------------------------------------------
     @property
     def offset(self):
-        first = self.lengths[0]
-        if all(n == first for n in self.lengths):
-            return first
-        return mx.array(self.lengths, dtype=mx.int32)
+        return self.table.offset
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.table.lengths
 
     @property
     def state(self):
@@ -47,134 +157,110 @@ class PositionalKVCache:
     def is_trimmable(self) -> bool:
         return True
 
+    def _size(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        positions = self._positions_after_write(N)
-        query = mx.array(self.lengths, dtype=mx.int32)[:, None] + mx.arange(N, dtype=mx.int32)[None]
-        key = positions[:, None, :]
-        query = query[:, :, None]
-        mask = (key >= 0) & (key <= query)
-        window = window_size or self.window
-        if window is not None:
-            mask = mask & (key > query - window)
-        return mask[:, None]  # [B, 1, N, S]
+        return self.table.make_mask(N, self._size(), window_size, as_array=return_array)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         B, H, L, _ = keys.shape
         if self.keys is None:
             self.keys = mx.zeros((B, H, 0, keys.shape[-1]), keys.dtype)
             self.values = mx.zeros((B, H, 0, values.shape[-1]), values.dtype)
-        self._ensure_size(self._buffer_size(L))
-        self.positions = self._positions_after_write(L)
-        slots = self._slots(L)
-        self.keys = _scatter_rows(self.keys, slots, keys, self.lengths, self.capacity)
-        self.values = _scatter_rows(self.values, slots, values, self.lengths, self.capacity)
-        return self.keys, self.values
+        table = self.table
+        current = self._size()
+        slots, positions = table.plan(L, current)
+        end = table.fetch_size(L, current)
+        table.positions = positions  # the same for every layer of this type in this forward
+        size = table.size_for(L, current)
+        self.keys = _scatter_rows(_pad_axis(self.keys, size, 2, 0), slots, keys, table)
+        self.values = _scatter_rows(_pad_axis(self.values, size, 2, 0), slots, values, table)
+        if end == self.keys.shape[2]:
+            return self.keys, self.values
+        return self.keys[:, :, :end], self.values[:, :, :end]
 
     # -- speculative decoding --------------------------------------------------------------
-    def commit(self, lengths: list[int]):
-        """Keep positions < lengths[r] in row r; everything written beyond becomes invisible."""
-        self.lengths = list(lengths)
-        limit = mx.array(self.lengths, dtype=mx.int32)[:, None]
-        self.positions = mx.where(self.positions < limit, self.positions, -1)
-
-    def advance(self, n: int):
-        """Commit everything written by the last forward (prefill and plain steps)."""
-        self.lengths = [length + n for length in self.lengths]
-
-    def shrink_slack(self, slack: int):
-        """After a long prefill, give back ring slots no longer needed (one gather)."""
-        new_capacity = None if self.window is None else self.window + slack
-        if self.keys is None or new_capacity is None or new_capacity >= self.capacity:
-            return
-        # New slot s holds the one position p in [length - new_capacity, length) with p = s mod new_capacity.
-        base = mx.array(self.lengths, dtype=mx.int32)[:, None] - new_capacity
-        wanted = base + mx.remainder(mx.arange(new_capacity, dtype=mx.int32)[None] - base, new_capacity)
-        old_slots = mx.remainder(wanted, self.capacity)
-        held = mx.take_along_axis(self.positions, old_slots, axis=1)
-        self.positions = mx.where((wanted >= 0) & (held == wanted), wanted, -1)
-        B, H, _, _ = self.keys.shape
-        index = old_slots[:, None, :, None]
-        self.keys = mx.take_along_axis(self.keys, mx.broadcast_to(index, (B, H, new_capacity, 1)), axis=2)
-        self.values = mx.take_along_axis(self.values, mx.broadcast_to(index, (B, H, new_capacity, 1)), axis=2)
-        self.capacity = new_capacity
-
-    @classmethod
-    def stack(cls, caches: list["PositionalKVCache"]) -> "PositionalKVCache":
-        """Join single- or multi-row caches of one layer into one batch (rows may differ in length)."""
-        first = caches[0]
-        out = cls(sum(c.batch_size for c in caches), window=first.window, slack=0)
-        out.capacity = first.capacity
-        out.lengths = [n for c in caches for n in c.lengths]
-        size = max(c.positions.shape[1] for c in caches)
-        out.positions = mx.concatenate([_pad_axis(c.positions, size, 1, -1) for c in caches], axis=0)
-        if first.keys is not None:
-            out.keys = mx.concatenate([_pad_axis(c.keys, size, 2, 0) for c in caches], axis=0)
-            out.values = mx.concatenate([_pad_axis(c.values, size, 2, 0) for c in caches], axis=0)
-        return out
-
-    def select(self, rows: list[int]) -> "PositionalKVCache":
-        """The cache of the given rows only (finished requests leave the batch)."""
-        index = mx.array(rows, dtype=mx.int32)
-        out = PositionalKVCache(len(rows), window=self.window, slack=0)
-        out.capacity = self.capacity
-        out.lengths = [self.lengths[r] for r in rows]
-        out.positions = self.positions[index]
-        if self.keys is not None:
-            out.keys, out.values = self.keys[index], self.values[index]
-        return out
-
-    def visible_positions(self, window: int | None) -> mx.array:
-        """[B, S] mask of committed slots a drafter may read: all of them, or the last ``window``."""
-        lengths = mx.array(self.lengths, dtype=mx.int32)[:, None]
-        visible = (self.positions >= 0) & (self.positions < lengths)
-        if window is not None:
-            visible = visible & (self.positions >= lengths - window)
-        return visible
-
-    # -- internals ------------------------------------------------------------------------
-    def _new_positions(self, L: int) -> mx.array:
-        return mx.array(self.lengths, dtype=mx.int32)[:, None] + mx.arange(L, dtype=mx.int32)[None]
-
-    def _slots(self, L: int) -> mx.array:
-        if self.capacity is None:
-            return self._new_positions(L)
-        if L > self.capacity - self.window:
-            raise ValueError(f"a forward of {L} tokens needs slack >= {L} in a sliding cache")
-        return mx.remainder(self._new_positions(L), self.capacity)
-
-    def _buffer_size(self, L: int) -> int:
-        if self.capacity is not None:
-            return self.capacity
-        current = 0 if self.keys is None else self.keys.shape[2]
-        needed = max(self.lengths) + L
-        return current if needed <= current else ((needed + _GROW - 1) // _GROW) * _GROW
-
-    def _positions_after_write(self, L: int) -> mx.array:
-        size = self._buffer_size(L)
-        positions = self.positions
-        if positions.shape[1] < size:
-            pad = mx.full((positions.shape[0], size - positions.shape[1]), -1, dtype=mx.int32)
-            positions = mx.concatenate([positions, pad], axis=1)
-        return mx.put_along_axis(positions, self._slots(L), self._new_positions(L), axis=1)
-
-    def _ensure_size(self, size: int):
-        current = self.keys.shape[2]
-        if current >= size:
-            return
-        B, H, _, Dk = self.keys.shape
-        extra_k = mx.zeros((B, H, size - current, Dk), self.keys.dtype)
-        extra_v = mx.zeros((B, H, size - current, self.values.shape[-1]), self.values.dtype)
-        self.keys = mx.concatenate([self.keys, extra_k], axis=2)
-        self.values = mx.concatenate([self.values, extra_v], axis=2)
+    def shrink(self, old_slots: mx.array):
+        B, H = self.keys.shape[:2]
+        index = mx.broadcast_to(old_slots[:, None, :, None], (B, H, old_slots.shape[1], 1))
+        self.keys = mx.take_along_axis(self.keys, index, axis=2)
+        self.values = mx.take_along_axis(self.values, index, axis=2)
 
 
-def _scatter_rows(buffer: mx.array, slots: mx.array, new: mx.array, lengths: list[int], capacity):
+# -- a model's list of caches ----------------------------------------------------------------
+def make_caches(layer_windows: list[int | None], batch_size: int, slack: int) -> list[PositionalKVCache]:
+    """One cache per layer; layers with the same window share one SlotTable."""
+    tables: dict = {}
+    out = []
+    for window in layer_windows:
+        if window not in tables:
+            tables[window] = SlotTable(batch_size, window=window, slack=slack)
+        out.append(PositionalKVCache(tables[window]))
+    return out
+
+
+def tables_of(caches: list[PositionalKVCache]) -> list[SlotTable]:
+    seen = {}
+    for cache in caches:
+        seen.setdefault(id(cache.table), cache.table)
+    return list(seen.values())
+
+
+def commit(caches: list[PositionalKVCache], lengths: list[int]) -> None:
+    for table in tables_of(caches):
+        table.commit(lengths)
+
+
+def advance(caches: list[PositionalKVCache], n: int) -> None:
+    for table in tables_of(caches):
+        table.advance(n)
+
+
+def shrink_slack(caches: list[PositionalKVCache], slack: int) -> None:
+    for table in tables_of(caches):
+        old_slots = table.shrink_slack(slack)
+        if old_slots is not None:
+            for cache in caches:
+                if cache.table is table and cache.keys is not None:
+                    cache.shrink(old_slots)
+
+
+def stack_caches(per_row: list[list[PositionalKVCache]]) -> list[PositionalKVCache]:
+    """Join the cache lists of several (single- or multi-row) batches into one batch."""
+    tables: dict = {}
+    out = []
+    for layer, cache in enumerate(per_row[0]):
+        if id(cache.table) not in tables:
+            tables[id(cache.table)] = SlotTable.stack([caches[layer].table for caches in per_row])
+        merged = PositionalKVCache(tables[id(cache.table)])
+        if cache.keys is not None:
+            size = max(caches[layer]._size() for caches in per_row)
+            merged.keys = mx.concatenate([_pad_axis(c[layer].keys, size, 2, 0) for c in per_row], axis=0)
+            merged.values = mx.concatenate([_pad_axis(c[layer].values, size, 2, 0) for c in per_row], axis=0)
+        out.append(merged)
+    return out
+
+
+def select_rows(caches: list[PositionalKVCache], rows: list[int]) -> list[PositionalKVCache]:
+    """The caches of the given rows only (finished requests leave the batch)."""
+    index = mx.array(rows, dtype=mx.int32)
+    tables = {id(t): t.select(rows) for t in tables_of(caches)}
+    out = []
+    for cache in caches:
+        picked = PositionalKVCache(tables[id(cache.table)])
+        if cache.keys is not None:
+            picked.keys, picked.values = cache.keys[index], cache.values[index]
+        out.append(picked)
+    return out
+
+
+def _scatter_rows(buffer: mx.array, slots: mx.array, new: mx.array, table: SlotTable):
     """Write new[:, :, i] into buffer[:, :, slots[:, i]], each row at its own slots."""
     L = new.shape[2]
-    first = lengths[0]
-    if all(n == first for n in lengths):
-        start = first if capacity is None else first % capacity
-        if capacity is None or start + L <= capacity:
+    if table.uniform:
+        start = table.lengths[0] if table.capacity is None else table.lengths[0] % table.capacity
+        if table.capacity is None or start + L <= table.capacity:
             buffer[:, :, start : start + L] = new
             return buffer
     index = mx.broadcast_to(slots[:, None, :, None], new.shape)

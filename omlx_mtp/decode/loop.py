@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 import mlx.core as mx
 
 from .acceptance import accept_greedy, accept_sampled
-from .cache import PositionalKVCache
+from . import cache as caches
 from .sampling import SamplingParams, draft_probs, log_softmax, target_probs
 from .target import Gemma4Target
 
@@ -147,8 +147,7 @@ class SpeculativeDecoder:
                 if row.processors:
                     row.history = mx.concatenate([row.history, mx.array(kept, dtype=mx.int32)])
                 lengths.append(cache[0].lengths[slot] + n_host[slot] + 1)
-            for c in cache:
-                c.commit(lengths)
+            caches.commit(cache, lengths)
             yield rows, new
             still = [slot for slot, i in enumerate(active) if rows[i].finish_reason is None]
             if len(still) != len(active):
@@ -163,10 +162,10 @@ class SpeculativeDecoder:
             distinct.setdefault(tuple(prompt), len(distinct))
         done = [self._prefill_one(list(p), slack) for p in distinct]
         pick = [distinct[tuple(p)] for p in prompts]
-        caches = [PositionalKVCache.stack([done[j][0][layer] for j in pick]) for layer in range(len(done[0][0]))]
+        cache = caches.stack_caches([done[j][0] for j in pick]) if len(pick) > 1 else done[0][0]
         hidden = mx.concatenate([done[j][1] for j in pick], axis=0)
         logits = mx.concatenate([done[j][2] for j in pick], axis=0)
-        return caches, hidden, logits
+        return cache, hidden, logits
 
     def _prefill_one(self, prompt: list[int], slack: int):
         if not prompt:
@@ -178,14 +177,12 @@ class SpeculativeDecoder:
             chunk = tokens[:, start : start + step]
             last = start + step >= len(prompt)
             hidden = self.target.body(chunk, cache=cache)
-            for c in cache:
-                c.advance(chunk.shape[1])
+            caches.advance(cache, chunk.shape[1])
             if not last:
                 mx.eval([c.state for c in cache])
         hidden = hidden[:, -1:]
         logits = self.target.head(hidden)
-        for c in cache:
-            c.shrink_slack(slack)
+        caches.shrink_slack(cache, slack)
         mx.eval(hidden, logits, [c.state for c in cache])
         return cache, hidden, logits
 
@@ -236,7 +233,7 @@ class SpeculativeDecoder:
             source = self.target.kv_source(cache, kind)
             span = self.drafter.visible_span(kind, self.target.sliding_window)
             shared_kv[kind] = source.state
-            masks[kind] = source.visible_positions(span)[:, None, None, :]
+            masks[kind] = source.table.visible(span)[:, None, None, :]
         lengths = cache[0].lengths
         if all(n == lengths[0] for n in lengths):
             query_position = lengths[0] + self.query_offset
@@ -301,4 +298,4 @@ def _select(keep: list[int], total: int, bonus, hidden, cache):
     if len(keep) == total:
         return bonus, hidden, cache
     index = mx.array(keep, dtype=mx.int32)
-    return bonus[index], hidden[index], [c.select(keep) for c in cache]
+    return bonus[index], hidden[index], caches.select_rows(cache, keep)

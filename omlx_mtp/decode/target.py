@@ -10,7 +10,7 @@ import mlx.core as mx
 from mlx_lm.models import gemma4_text
 
 from ..gemma4_config import FULL, SLIDING
-from .cache import PositionalKVCache
+from .cache import PositionalKVCache, make_caches
 
 
 class Gemma4Target:
@@ -35,10 +35,8 @@ class Gemma4Target:
         return self.body.norm.weight.dtype
 
     def make_cache(self, batch_size: int, slack: int) -> list[PositionalKVCache]:
-        return [
-            PositionalKVCache(batch_size, window=self.sliding_window if t == SLIDING else None, slack=slack)
-            for t in self.layer_types[: self.num_cached_layers]
-        ]
+        windows = [self.sliding_window if t == SLIDING else None for t in self.layer_types[: self.num_cached_layers]]
+        return make_caches(windows, batch_size, slack)
 
     def forward(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array]:
         """tokens [B, L] -> (logits [B, L, V], final-normed hidden [B, L, H])."""

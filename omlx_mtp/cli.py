@@ -45,6 +45,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-tokens", type=int, default=96)
     demo.add_argument("--draft-tokens", type=int, default=3)
     demo.add_argument("--json", action="store_true")
+
+    bench = sub.add_parser("bench", help="plain vs MTP vs oracle drafter, same process and weights")
+    bench.add_argument("--model", help="target checkpoint (default: the embedded tiny pair)")
+    bench.add_argument("--drafter", help="drafter checkpoint (with --model)")
+    bench.add_argument("--draft-tokens", default="1,2,3,4", help="comma-separated depths")
+    bench.add_argument("--max-tokens", type=int, default=128)
+    bench.add_argument("--prompt-tokens", type=int, default=64)
+    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--json", dest="json_out", help="write results to this JSON file")
     return parser
 
 
@@ -101,7 +110,20 @@ def cmd_demo(args) -> int:
     return run_demo(max_tokens=args.max_tokens, draft_tokens=args.draft_tokens, as_json=args.json)
 
 
-COMMANDS = {"generate": cmd_generate, "demo": cmd_demo}
+def cmd_bench(args) -> int:
+    from .bench import run_bench
+
+    if (args.model is None) != (args.drafter is None):
+        raise MTPError("bench: pass both --model and --drafter, or neither (embedded pair)")
+    try:
+        depths = [int(k) for k in args.draft_tokens.split(",")]
+    except ValueError:
+        raise MTPError(f"--draft-tokens: expected comma-separated integers, got {args.draft_tokens!r}") from None
+    return run_bench(args.model, args.drafter, depths, args.max_tokens, args.repeats, args.prompt_tokens,
+                     args.json_out)
+
+
+COMMANDS = {"generate": cmd_generate, "demo": cmd_demo, "bench": cmd_bench}
 
 
 def main(argv=None) -> int:

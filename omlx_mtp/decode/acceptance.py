@@ -13,9 +13,12 @@ import mlx.core as mx
 
 def leading_true(flags: mx.array) -> mx.array:
     """[B, K] bool -> [B] count of leading True values."""
-    if flags.shape[1] == 0:
-        return mx.zeros((flags.shape[0],), dtype=mx.int32)
-    return mx.cumprod(flags.astype(mx.int32), axis=1).sum(axis=1)
+    B, K = flags.shape
+    if K == 0:
+        return mx.zeros((B,), dtype=mx.int32)
+    # The index of the first False (K when there is none).  A min, not a cumprod: mlx 0.31's
+    # CPU integer scan crashes on some inputs.
+    return mx.min(mx.where(flags, K, mx.arange(K, dtype=mx.int32)), axis=1).astype(mx.int32)
 
 
 def accept_greedy(drafts: mx.array, target_tokens: mx.array) -> tuple[mx.array, mx.array]:

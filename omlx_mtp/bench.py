@@ -1,0 +1,154 @@
+"""``omlx-mtp bench``: plain decoding vs MTP vs an oracle drafter, in one process, same weights.
+
+Method (DESIGN §7): warm-up first, then runs alternate plain / MTP / oracle per repeat and the
+median tokens/s of each is reported with its ratio to plain.  Component costs (one plain step,
+one verify of K+1 positions, one draft step) give the speedup bound
+E[tokens per round] / (t_verify(K+1) / t_decode + K * t_draft / t_decode) and achieved/bound.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from .decode import cache as caches
+from .decode.loop import Request, SpeculativeDecoder
+from .decode.oracle import OracleDrafter
+from .runner import Session, run_mtp, run_plain
+
+
+def regime() -> str:
+    blas = "OpenBLAS (LD_PRELOAD)" if "openblas" in os.environ.get("LD_PRELOAD", "").lower() else "bundled BLAS"
+    return f"{mx.default_device()}, {blas}"
+
+
+def _median_ms(fn, repeats: int = 20) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def component_costs(session: Session, prompt: list[int], K: int) -> dict:
+    """Milliseconds for one verify of K+1 positions and one draft step."""
+    target = session.target
+    cache = target.make_cache(1, slack=max(len(prompt), K + 1))
+    hidden = target.body(mx.array([prompt]), cache=cache)
+    caches.advance(cache, len(prompt))
+    mx.eval(hidden)
+    length = cache[0].lengths[0]
+
+    def forward(n):
+        def run():
+            logits, h = target.forward(mx.zeros((1, n), dtype=mx.int32), cache)
+            mx.eval(logits, h)
+            caches.commit(cache, [length])
+        return run
+
+    costs = {"verify_ms": _median_ms(forward(K + 1))}
+    drafter = session.drafter
+    if drafter is not None and hasattr(drafter, "visible_span"):
+        kinds = sorted(set(drafter.layer_types))
+        kv = {k: target.kv_source(cache, k).state for k in kinds}
+        masks = {k: target.kv_source(cache, k).table.visible(drafter.visible_span(k, target.sliding_window))[:, None, None]
+                 for k in kinds}
+        token = mx.zeros((1, 1), dtype=mx.int32)
+        h_prev = hidden[:, -1:]
+
+        def draft():
+            logits, h = drafter(target.input_embedding(token), h_prev, kv, masks, length)
+            mx.eval(mx.argmax(logits, axis=-1), h)
+
+        costs["draft_ms"] = _median_ms(draft)
+    return costs
+
+
+def speedup_bound(tokens_per_round: float, K: int, costs: dict, draft_ms: float) -> float:
+    return tokens_per_round / (costs["verify_ms"] / costs["decode_ms"] + K * draft_ms / costs["decode_ms"])
+
+
+def benchmark(session: Session, prompts: list[list[int]], draft_tokens: list[int], max_tokens: int = 128,
+              repeats: int = 3, say=print) -> list[dict]:
+    results = []
+    stop = session.stop_tokens()
+    requests = [Request(p, max_tokens=max_tokens, stop_tokens=stop) for p in prompts]
+    plain_runs = {i: [] for i in range(len(requests))}
+    continuation = {}
+    for i, request in enumerate(requests):  # warm-up, and the oracle's continuation
+        continuation[tuple(request.prompt)] = run_plain(session.model, request).row.generated
+    for K in draft_tokens:
+        oracle = SpeculativeDecoder(session.target, OracleDrafter(continuation, session.target.vocab_size), draft_tokens=K)
+        engines = {"plain": [], "mtp": [], "oracle": []}
+        stats = {"mtp": [], "oracle": []}
+        for request in requests:
+            run_mtp(session.decoder, request, draft_tokens=K)  # warm-up at this depth
+            for _ in range(repeats):
+                plain = run_plain(session.model, request)
+                engines["plain"].append(plain.tokens_per_second)
+                for name, decoder in (("mtp", session.decoder), ("oracle", oracle)):
+                    out = run_mtp(decoder, request, draft_tokens=K)
+                    assert out.row.generated == plain.row.generated, "greedy MTP left plain decoding"
+                    engines[name].append(out.tokens_per_second)
+                    stats[name].append(out.row.stats)
+        costs = component_costs(session, list(prompts[0]), K)
+        plain_tps = statistics.median(engines["plain"])
+        costs["decode_ms"] = 1000 / plain_tps  # t_decode is a plain mlx-lm step
+        for name, values in engines.items():
+            tps = statistics.median(values)
+            entry = {"engine": name, "temp": 0.0, "draft_tokens": K if name != "plain" else 0, "batch": 1,
+                     "tokens_per_second": tps, "speedup_vs_plain": tps / plain_tps}
+            if name in stats:
+                drafted = sum(s.drafted for s in stats[name])
+                accepted = sum(s.accepted for s in stats[name])
+                rounds = sum(s.rounds for s in stats[name])
+                emitted = sum(s.emitted for s in stats[name])
+                entry.update(acceptance_rate=accepted / drafted if drafted else 0.0,
+                             tokens_per_round=emitted / rounds if rounds else 0.0)
+                draft_ms = costs.get("draft_ms", 0.0) if name == "mtp" else 0.0
+                bound = speedup_bound(entry["tokens_per_round"], K, costs, draft_ms)
+                entry.update(speedup_bound=bound, achieved_over_bound=entry["speedup_vs_plain"] / bound)
+            entry.update({k: v for k, v in costs.items()})
+            results.append(entry)
+            say(_row(entry))
+    return results
+
+
+def _row(e: dict) -> str:
+    line = f"{e['engine']:<7} K={e['draft_tokens']:<2} {e['tokens_per_second']:8.1f} tok/s  x{e['speedup_vs_plain']:.2f}"
+    if "acceptance_rate" in e:
+        line += (f"  accept {e['acceptance_rate']:.0%}  {e['tokens_per_round']:.2f} tok/round"
+                 f"  bound x{e['speedup_bound']:.2f}  achieved/bound {e['achieved_over_bound']:.2f}")
+    return line
+
+
+def run_bench(model=None, drafter=None, draft_tokens=(1, 2, 3, 4), max_tokens=128, repeats=3,
+              prompt_tokens=64, json_out=None) -> int:
+    from .demo import DEMO_SPEC
+    from .tiny import write_pair
+
+    with tempfile.TemporaryDirectory(prefix="omlx-mtp-bench-") as tmp:
+        if model is None:
+            model, drafter = write_pair(Path(tmp), DEMO_SPEC)
+            label = "embedded tiny Gemma 4 pair, RANDOM weights (the assistant's drafts are noise)"
+        else:
+            label = f"{model} + {drafter}"
+        session = Session.load(model, drafter)
+    print(f"omlx-mtp bench — {label}")
+    print(f"regime: {regime()}, dtype {session.target.dtype}")
+    key = mx.random.key(0)
+    prompts = [mx.random.randint(3, session.target.vocab_size, (prompt_tokens,), key=k).tolist()
+               for k in mx.random.split(key, 2)]
+    results = benchmark(session, prompts, list(draft_tokens), max_tokens=max_tokens, repeats=repeats)
+    if json_out:
+        Path(json_out).write_text(json.dumps({"regime": regime(), "model": label, "results": results}, indent=2))
+        print(f"wrote {json_out}")
+    return 0

@@ -130,24 +130,51 @@ def _row(e: dict) -> str:
     return line
 
 
+def bench_prompts(session: Session, prompt_tokens: int) -> list[list[int]]:
+    """Code prompts when the model has a tokenizer (the demo pair knows Python), else random ids."""
+    from .demo import PROMPTS
+
+    if session.tokenizer is not None:
+        return [session.encode(text) for text in PROMPTS]
+    key = mx.random.key(0)
+    return [mx.random.randint(3, session.target.vocab_size, (prompt_tokens,), key=k).tolist()
+            for k in mx.random.split(key, 2)]
+
+
+def query_position_acceptance(session: Session, prompts, K: int, max_tokens: int, say=print) -> list[dict]:
+    """Greedy acceptance with the drafter's query at the bonus position N and at N - 1."""
+    out = []
+    for name, offset in (("bonus (N)", 0), ("last (N-1)", -1)):
+        decoder = SpeculativeDecoder(session.target, session.drafter, draft_tokens=K, query_offset=offset)
+        rows = decoder.generate([Request(p, max_tokens=max_tokens, stop_tokens=session.stop_tokens()) for p in prompts])
+        drafted = sum(r.stats.drafted for r in rows)
+        accepted = sum(r.stats.accepted for r in rows)
+        emitted = sum(r.stats.emitted for r in rows)
+        rounds = sum(r.stats.rounds for r in rows)
+        entry = {"engine": "mtp", "query_position": name, "temp": 0.0, "draft_tokens": K, "batch": len(prompts),
+                 "acceptance_rate": accepted / drafted, "tokens_per_round": emitted / rounds}
+        say(f"query at {name:<11} K={K}: acceptance {entry['acceptance_rate']:.1%}, "
+            f"{entry['tokens_per_round']:.2f} tokens/round")
+        out.append(entry)
+    return out
+
+
 def run_bench(model=None, drafter=None, draft_tokens=(1, 2, 3, 4), max_tokens=128, repeats=3,
-              prompt_tokens=64, json_out=None) -> int:
-    from .demo import DEMO_SPEC
-    from .tiny import write_pair
+              prompt_tokens=64, json_out=None, compare_query_positions=False) -> int:
+    from .demo import demo_pair
 
     with tempfile.TemporaryDirectory(prefix="omlx-mtp-bench-") as tmp:
         if model is None:
-            model, drafter = write_pair(Path(tmp), DEMO_SPEC)
-            label = "embedded tiny Gemma 4 pair, RANDOM weights (the assistant's drafts are noise)"
+            model, drafter, label = demo_pair(Path(tmp))
         else:
             label = f"{model} + {drafter}"
         session = Session.load(model, drafter)
     print(f"omlx-mtp bench — {label}")
     print(f"regime: {regime()}, dtype {session.target.dtype}")
-    key = mx.random.key(0)
-    prompts = [mx.random.randint(3, session.target.vocab_size, (prompt_tokens,), key=k).tolist()
-               for k in mx.random.split(key, 2)]
+    prompts = bench_prompts(session, prompt_tokens)
     results = benchmark(session, prompts, list(draft_tokens), max_tokens=max_tokens, repeats=repeats)
+    if compare_query_positions:
+        results += query_position_acceptance(session, prompts, max(draft_tokens), max_tokens)
     if json_out:
         Path(json_out).write_text(json.dumps({"regime": regime(), "model": label, "results": results}, indent=2))
         print(f"wrote {json_out}")

@@ -65,3 +65,23 @@ def load_weights(path: str | Path) -> dict[str, mx.array]:
         except (RuntimeError, ValueError, OSError) as exc:
             raise CheckpointError(f"{file}: could not be read ({exc})") from None
     return weights
+
+
+SUPPORTED_DTYPES = {"F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U32", "U16", "U8", "BOOL"}
+
+
+def tensor_infos(path: str | Path) -> dict[str, tuple[Path, str, list[int]]]:
+    """name -> (file, safetensors dtype, shape) for every tensor, read from the headers only."""
+    infos = {}
+    for file in safetensors_files(path):
+        try:
+            with safe_open(str(file), framework="numpy") as handle:
+                for name in handle.keys():
+                    view = handle.get_slice(name)
+                    dtype = view.get_dtype()
+                    if dtype not in SUPPORTED_DTYPES:
+                        raise CheckpointError(f"{file}: tensor {name} has unsupported dtype {dtype}")
+                    infos[name] = (file, dtype, list(view.get_shape()))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{file}: corrupt or truncated safetensors file ({exc})") from None
+    return infos

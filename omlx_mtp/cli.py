@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text with (or without) MTP")
     gen.add_argument("--model", required=True, help="target checkpoint directory")
-    gen.add_argument("--drafter", help="drafter checkpoint directory (Gemma 4 assistant)")
+    gen.add_argument("--drafter", help="drafter checkpoint directory (Gemma 4 assistant); "
+                     "not needed for a checkpoint with a merged assistant")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     gen.add_argument("--no-mtp", action="store_true", help="plain decoding")
@@ -46,6 +47,25 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--draft-tokens", type=int, default=3)
     demo.add_argument("--json", action="store_true")
 
+    quant = sub.add_parser("quantize", help="quantize a checkpoint, keeping its MTP weights")
+    quant.add_argument("src", help="source checkpoint directory (Hugging Face or MLX layout)")
+    quant.add_argument("out", help="output directory (written atomically)")
+    quant.add_argument("--bits", type=int, choices=[2, 3, 4, 5, 6, 8], default=4)
+    quant.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64)
+    quant.add_argument("--mode", choices=["affine", "mxfp4", "mxfp8", "nvfp4"], default="affine")
+    quant.add_argument("--mtp-bits", type=int, choices=[2, 3, 4, 5, 6, 8], default=None,
+                       help="quantize MTP tensors too (default: keep them unquantized in --dtype)")
+    quant.add_argument("--mtp-head-bits", type=int, choices=[2, 3, 4, 5, 6, 8], default=None,
+                       help="bits for the merged assistant's tied LM head (its costliest part)")
+    quant.add_argument("--assistant", help="Gemma 4 assistant to merge into the output")
+    quant.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    quant.add_argument("--force", action="store_true", help="replace an existing OUT")
+    quant.add_argument("--shard-size-mb", type=int, default=5120, help="maximum shard size (default 5 GB)")
+
+    insp = sub.add_parser("inspect", help="describe a checkpoint's quantization and MTP weights")
+    insp.add_argument("dir")
+    insp.add_argument("--json", action="store_true")
+
     bench = sub.add_parser("bench", help="plain vs MTP vs oracle drafter, same process and weights")
     bench.add_argument("--model", help="target checkpoint (default: the embedded tiny pair)")
     bench.add_argument("--drafter", help="drafter checkpoint (with --model)")
@@ -54,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompt-tokens", type=int, default=64)
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--json", dest="json_out", help="write results to this JSON file")
+    bench.add_argument("--compare-query-positions", action="store_true",
+                       help="also measure greedy acceptance with the drafter query at N and at N-1")
     return parser
 
 
@@ -83,6 +105,7 @@ def cmd_generate(args) -> int:
     session = Session.load(
         args.model,
         None if args.no_mtp else args.drafter,
+        merged=not args.no_mtp,
         draft_tokens=args.draft_tokens,
         query_offset=QUERY_POSITIONS[args.query_position],
     )
@@ -120,10 +143,34 @@ def cmd_bench(args) -> int:
     except ValueError:
         raise MTPError(f"--draft-tokens: expected comma-separated integers, got {args.draft_tokens!r}") from None
     return run_bench(args.model, args.drafter, depths, args.max_tokens, args.repeats, args.prompt_tokens,
-                     args.json_out)
+                     args.json_out, args.compare_query_positions)
 
 
-COMMANDS = {"generate": cmd_generate, "demo": cmd_demo, "bench": cmd_bench}
+def cmd_quantize(args) -> int:
+    from .quantize import QuantizeOptions, quantize
+
+    options = QuantizeOptions(bits=args.bits, group_size=args.group_size, mode=args.mode, mtp_bits=args.mtp_bits,
+                              mtp_head_bits=args.mtp_head_bits, dtype=args.dtype, force=args.force,
+                              shard_bytes=args.shard_size_mb << 20)
+    try:
+        out = quantize(args.src, args.out, options, assistant=args.assistant)
+    except KeyboardInterrupt:
+        print("omlx-mtp: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from .inspect_checkpoint import inspect_checkpoint, render
+
+    report = inspect_checkpoint(args.dir)
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return 0 if not report["problems"] else 1
+
+
+COMMANDS = {"generate": cmd_generate, "demo": cmd_demo, "bench": cmd_bench, "quantize": cmd_quantize,
+            "inspect": cmd_inspect}
 
 
 def main(argv=None) -> int:

@@ -11,7 +11,7 @@ from mlx_lm.generate import generate_step
 
 from .decode.loop import DecodeStats, Request, RowState, SpeculativeDecoder
 from .decode.target import Gemma4Target
-from .drafters import load_drafter
+from .drafters import load_drafter, load_merged_drafter
 from .errors import MTPError
 from .models import load_target
 
@@ -48,22 +48,26 @@ class Outcome:
 class Session:
     """A loaded target (and optional drafter) that can run requests either way."""
 
-    def __init__(self, model, tokenizer=None, drafter=None, draft_tokens: int = 3, query_offset: int = 0):
-        self.model = model
+    def __init__(self, target: Gemma4Target, tokenizer=None, drafter=None, draft_tokens: int = 3,
+                 query_offset: int = 0):
+        self.target = target
+        self.model = target.model
         self.tokenizer = tokenizer
-        self.target = Gemma4Target(model)
         self.drafter = drafter
-        self.decoder = SpeculativeDecoder(self.target, drafter, draft_tokens=draft_tokens, query_offset=query_offset)
+        self.decoder = SpeculativeDecoder(target, drafter, draft_tokens=draft_tokens, query_offset=query_offset)
 
     @classmethod
-    def load(cls, model_dir: str | Path, drafter_dir: str | Path | None = None, **kwargs) -> "Session":
+    def load(cls, model_dir: str | Path, drafter_dir: str | Path | None = None, merged: bool = True,
+             **kwargs) -> "Session":
+        """``merged``: without a drafter directory, use an assistant merged into the checkpoint."""
         model, tokenizer, _ = load_target(model_dir)
-        session = cls(model, tokenizer, None, **kwargs)
+        target = Gemma4Target(model)
+        drafter = None
         if drafter_dir is not None:
-            session.drafter = load_drafter(drafter_dir, session.target)
-            session.decoder.drafter = session.drafter
-            session.decoder.drafter_kinds = sorted(set(session.drafter.layer_types))
-        return session
+            drafter = load_drafter(drafter_dir, target)
+        elif merged:
+            drafter = load_merged_drafter(model_dir, target)  # None when the checkpoint has no assistant
+        return cls(target, tokenizer, drafter, **kwargs)
 
     def stop_tokens(self) -> frozenset:
         if self.tokenizer is None:
@@ -76,14 +80,17 @@ class Session:
         if chat:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise MTPError("--chat: the tokenizer has no chat template")
-            return list(
-                self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-            )
-        return list(self.tokenizer.encode(text))
+            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        else:
+            ids = self.tokenizer.encode(text)
+        if not ids:
+            raise MTPError("the prompt encodes to no tokens")
+        return list(ids)
 
     def run(self, request: Request, mtp: bool = True, seed: int | None = None, draft_tokens: int | None = None) -> Outcome:
         if mtp and self.drafter is None:
-            raise MTPError("MTP needs a drafter: pass --drafter DIR (or --no-mtp for plain decoding)")
+            raise MTPError("MTP needs a drafter: pass --drafter DIR, use a checkpoint with a merged assistant "
+                           "(omlx-mtp quantize --assistant), or --no-mtp for plain decoding")
         return run_mtp(self.decoder, request, seed, draft_tokens) if mtp else run_plain(self.model, request, seed)
 
 

@@ -1,10 +1,14 @@
-"""Drafter families, looked up by the ``model_type`` in a drafter checkpoint's config.json."""
+"""Drafter families, looked up by the ``model_type`` in a drafter checkpoint's config.json,
+and assistants merged into a target checkpoint by ``omlx-mtp quantize --assistant``."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from ..checkpoint import read_config
+import mlx.core as mx
+
+from ..checkpoint import read_config, safetensors_files
 from ..errors import CheckpointError
 from . import gemma4_assistant
 
@@ -24,3 +28,44 @@ def load_drafter(path: str | Path, target):
     drafter = load(directory)
     check_fits(drafter, target, where=f"drafter {directory}")
     return drafter
+
+
+def merged_assistant_config(config: dict) -> tuple[dict, str] | None:
+    """(assistant config, tensor name prefix) of an assistant merged into a target checkpoint."""
+    if config.get("model_type") == "gemma4":
+        embedded = (config.get("text_config") or {}).get("mtp_assistant_config")
+        return (embedded, "language_model.mtp.") if embedded else None
+    embedded = config.get("mtp_assistant_config")
+    return (embedded, "mtp.") if embedded else None
+
+
+def load_merged_drafter(model_dir: str | Path, target):
+    """The assistant merged into ``model_dir``, or None when there is none."""
+    directory = Path(model_dir)
+    config = read_config(directory)
+    merged = merged_assistant_config(config)
+    if merged is None:
+        return None
+    assistant_config, prefix = merged
+    weights = {}
+    for file in _files_with_prefix(directory, prefix):
+        weights.update({k[len(prefix):]: v for k, v in mx.load(str(file)).items() if k.startswith(prefix)})
+    if not weights:
+        raise CheckpointError(f"{directory}: config.json embeds an assistant but no {prefix}* tensors were found")
+    quantization = None
+    if config.get("quantization"):
+        q = config["quantization"]
+        quantization = {k: q[k] for k in ("group_size", "bits", "mode") if k in q}
+        quantization.update({k[len(prefix):]: v for k, v in q.items() if k.startswith(prefix)})
+    drafter = gemma4_assistant.build_gemma4_assistant(assistant_config, weights, quantization, str(directory))
+    gemma4_assistant.check_fits(drafter, target, where=f"assistant merged into {directory}")
+    return drafter
+
+
+def _files_with_prefix(directory: Path, prefix: str) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        names = sorted({f for k, f in weight_map.items() if k.startswith(prefix)})
+        return [directory / n for n in names]
+    return safetensors_files(directory)

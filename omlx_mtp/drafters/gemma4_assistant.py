@@ -20,7 +20,7 @@ from mlx_lm.models import gemma4_text
 
 from ..checkpoint import load_weights, read_config
 from ..errors import CheckpointError, DrafterMismatchError
-from ..gemma4_config import FULL, SLIDING, layer_head_dim, layer_kv_heads, normalize_text_config
+from ..gemma4_config import FULL, SLIDING, layer_head_dim, layer_kv_heads, normalize_text_config, text_config_of
 
 MODEL_TYPE = "gemma4_assistant"
 
@@ -174,21 +174,36 @@ def check_fits(drafter: Gemma4AssistantDrafter, target, where: str = "drafter") 
         raise DrafterMismatchError(f"{where} does not fit the target: " + "; ".join(problems))
 
 
-def load_gemma4_assistant(path: str | Path, dtype=None) -> Gemma4AssistantDrafter:
+def check_config_fits(config: dict, assistant: dict, where: str) -> None:
+    """The config-level twin of ``check_fits``, for a target that is not loaded (quantize, inspect)."""
+    text = text_config_of(config)
+    problems = []
+    if int(assistant["backbone_hidden_size"]) != int(text.get("hidden_size", -1)):
+        problems.append(f"backbone_hidden_size {assistant['backbone_hidden_size']} != target hidden_size "
+                        f"{text.get('hidden_size')}")
+    a_vocab = assistant["text_config"].get("vocab_size")
+    if a_vocab != text.get("vocab_size", config.get("vocab_size")):
+        problems.append(f"vocab_size {a_vocab} != target vocab_size {text.get('vocab_size', config.get('vocab_size'))}")
+    if problems:
+        raise DrafterMismatchError(f"{where} does not fit the target: " + "; ".join(problems))
+
+
+def load_gemma4_assistant(path: str | Path) -> Gemma4AssistantDrafter:
     directory = Path(path)
-    where = str(directory / "config.json")
-    config = normalize_assistant_config(read_config(directory), where)
-    drafter = Gemma4AssistantDrafter(config)
-    weights = drafter.sanitize(load_weights(directory))
-    quantization = config.get("quantization")
+    config = read_config(directory)
+    return build_gemma4_assistant(config, load_weights(directory), config.get("quantization"), str(directory))
+
+
+def build_gemma4_assistant(config: dict, weights: dict, quantization: dict | None, where: str):
+    """A drafter from its config and (possibly quantized) weights, named as in its checkpoint."""
+    drafter = Gemma4AssistantDrafter(normalize_assistant_config(config, f"{where}: assistant config"))
+    weights = drafter.sanitize(weights)
     if quantization:
         _quantize_like_checkpoint(drafter, quantization, weights)
     try:
         drafter.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:
-        raise CheckpointError(f"{directory}: weights do not match its config.json ({exc})") from None
-    if dtype is not None:
-        drafter.apply(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p)
+        raise CheckpointError(f"{where}: assistant weights do not match its config ({exc})") from None
     drafter.eval()
     mx.eval(drafter.parameters())
     return drafter
@@ -220,6 +235,8 @@ __all__ = [
     "SLIDING",
     "Gemma4AssistantDrafter",
     "check_fits",
+    "check_config_fits",
     "load_gemma4_assistant",
+    "build_gemma4_assistant",
     "normalize_assistant_config",
 ]

@@ -1,0 +1,225 @@
+"""``omlx-mtp quantize`` / ``inspect``: quantized checkpoints keep their MTP weights."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import struct
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from omlx_mtp.cli import main
+from omlx_mtp.tiny import TinySpec, write_pair
+
+
+def digest(directory) -> str:
+    h = hashlib.sha256()
+    for path in sorted(directory.rglob("*")):
+        if path.is_file():
+            h.update(path.name.encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def run(capsys, *args):
+    code = main(list(map(str, args)))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def generate(capsys, model, *extra):
+    code, out, err = run(capsys, "generate", "--model", model, "--prompt", "hello world", "--max-tokens", "40",
+                         "--json", *extra)
+    assert code == 0, err
+    return json.loads(out)
+
+
+@pytest.fixture(scope="module")
+def gemma_pair(tmp_path_factory):
+    return write_pair(tmp_path_factory.mktemp("q31b"), TinySpec(k_eq_v=True))
+
+
+def test_gemma4_round_trip(gemma_pair, tmp_path, capsys):
+    target, assistant = gemma_pair
+    before = digest(target.parent)
+    out = tmp_path / "q4"
+    code, _, err = run(capsys, "quantize", target, out, "--bits", "4", "--group-size", "32", "--dtype", "float32",
+                       "--assistant", assistant)
+    assert code == 0, err
+    assert digest(target.parent) == before  # SRC untouched
+
+    code, report, _ = run(capsys, "inspect", out, "--json")
+    report = json.loads(report)
+    assert code == 0 and report["problems"] == []
+    assert report["quantization"]["bits"] == 4
+    source = mx.load(str(assistant / "model.safetensors"))
+    assert report["mtp"]["count"] == len(source)
+    kept = mx.load(str(out / "mtp.safetensors"))
+    for name, value in source.items():
+        entry = report["mtp"]["tensors"]["mtp." + name]
+        assert entry["precision"] in ("float32", "int64")
+        assert mx.array_equal(kept["mtp." + name], value).item(), name  # bit-identical
+    assert report["drafter"]["merged"] and report["drafter"]["fits_target"]
+
+    from mlx_lm import load  # plain mlx-lm loads the quantized trunk
+
+    model, _ = load(str(out))
+    assert any(name.endswith(".scales") for name, _ in tree_flatten(model.parameters()))
+
+    with_mtp = generate(capsys, out)  # no --drafter: the merged assistant is used
+    without = generate(capsys, out, "--no-mtp")
+    assert with_mtp["mtp"] and with_mtp["drafted"] > 0
+    assert with_mtp["tokens"] == without["tokens"]
+
+
+def test_merged_centroid_assistant_with_quantized_mtp(tmp_path, capsys):
+    spec = TinySpec(layout="e2b", model_type="gemma4", spelling="per_layer", num_layers=6, centroid_head=True)
+    target, assistant = write_pair(tmp_path / "pair", spec)
+    out = tmp_path / "q"
+    code, _, err = run(capsys, "quantize", target, out, "--group-size", "32", "--dtype", "float32",
+                       "--mtp-bits", "8", "--mtp-head-bits", "4", "--assistant", assistant)
+    assert code == 0, err
+    code, report, _ = run(capsys, "inspect", out, "--json")
+    tensors = json.loads(report)["mtp"]["tensors"]
+    assert tensors["language_model.mtp.model.embed_tokens.weight"]["precision"] == "4-bit affine"
+    assert tensors["language_model.mtp.pre_projection.weight"]["precision"] == "8-bit affine"
+    assert tensors["language_model.mtp.model.norm.weight"]["precision"] == "float32"
+    with_mtp = generate(capsys, out)
+    without = generate(capsys, out, "--no-mtp")
+    assert with_mtp["drafted"] > 0 and with_mtp["tokens"] == without["tokens"]
+
+
+def qwen35_checkpoint(directory, mtp: bool = True):
+    """A tiny Qwen3.5 (hybrid linear attention) checkpoint with mtp.* tensors, MLX layout, bf16."""
+    from mlx_lm.models import qwen3_5
+
+    config = {
+        "model_type": "qwen3_5", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256,
+        "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "full_attention_interval": 2,
+        "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "mtp_num_hidden_layers": 1,
+    }
+    model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict(config))
+    rng = np.random.default_rng(0)
+    weights = {k: mx.array(rng.normal(0, 0.05, v.shape).astype(np.float32)).astype(mx.bfloat16)
+               for k, v in tree_flatten(model.parameters())}
+    if mtp:
+        for name, shape in {"mtp.fc.weight": (64, 128), "mtp.layers.0.mlp.gate_proj.weight": (128, 64),
+                            "mtp.layers.0.self_attn.q_proj.weight": (128, 64), "mtp.norm.weight": (64,)}.items():
+            weights[name] = mx.array(rng.normal(0, 0.05, shape).astype(np.float32)).astype(mx.bfloat16)
+    directory.mkdir(parents=True)
+    mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory, weights
+
+
+@pytest.mark.parametrize("mtp_bits", [None, 8])
+def test_qwen35_keeps_mtp(tmp_path, capsys, mtp_bits):
+    src, weights = qwen35_checkpoint(tmp_path / "qwen")
+    out = tmp_path / "out"
+    args = ["quantize", src, out, "--group-size", "32"] + (["--mtp-bits", str(mtp_bits)] if mtp_bits else [])
+    code, _, err = run(capsys, *args)
+    assert code == 0, err
+    code, report, _ = run(capsys, "inspect", out, "--json")
+    mtp = json.loads(report)["mtp"]
+    assert set(mtp["tensors"]) >= {"mtp.fc.weight", "mtp.layers.0.mlp.gate_proj.weight", "mtp.norm.weight"}
+    assert mtp["families"] == {"mtp-module": mtp["count"]}
+    kept = mx.load(str(out / "mtp.safetensors"))
+    if mtp_bits is None:
+        assert mtp["tensors"]["mtp.fc.weight"]["precision"] == "bfloat16"
+        assert mx.array_equal(kept["mtp.fc.weight"], weights["mtp.fc.weight"]).item()
+    else:
+        assert mtp["tensors"]["mtp.fc.weight"]["precision"] == "8-bit affine"
+        assert "mtp.fc.scales" in kept
+        assert mtp["tensors"]["mtp.norm.weight"]["precision"] == "bfloat16"
+    from mlx_lm import load
+
+    load(str(out))  # plain mlx-lm still loads the trunk
+
+
+def expect_failure(capsys, *args, needle):
+    code, _, err = run(capsys, *args)
+    assert code == 2 and "Traceback" not in err and needle in err, err
+    return err
+
+
+def test_refuses_existing_out_without_force(gemma_pair, tmp_path, capsys):
+    target, _ = gemma_pair
+    out = tmp_path / "exists"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    expect_failure(capsys, "quantize", target, out, needle="--force")
+    assert (out / "keep.txt").read_text() == "mine"
+    code, _, err = run(capsys, "quantize", target, out, "--group-size", "32", "--force")
+    assert code == 0, err
+    assert not (out / "keep.txt").exists() and (out / "config.json").exists()
+
+
+def corrupt_copy(source, tmp_path, name):
+    broken = tmp_path / name
+    shutil.copytree(source, broken)
+    return broken
+
+
+def test_truncated_safetensors(gemma_pair, tmp_path, capsys):
+    src = corrupt_copy(gemma_pair[0], tmp_path, "trunc")
+    data = (src / "model.safetensors").read_bytes()
+    (src / "model.safetensors").write_bytes(data[: len(data) - 100])
+    before = digest(src)
+    expect_failure(capsys, "quantize", src, tmp_path / "out", needle="corrupt or truncated")
+    assert not (tmp_path / "out").exists() and digest(src) == before
+    assert not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_missing_config(gemma_pair, tmp_path, capsys):
+    src = corrupt_copy(gemma_pair[0], tmp_path, "noconfig")
+    (src / "config.json").unlink()
+    expect_failure(capsys, "quantize", src, tmp_path / "out", needle="config.json")
+    assert not (tmp_path / "out").exists()
+
+
+def test_unsupported_dtype(gemma_pair, tmp_path, capsys):
+    src = corrupt_copy(gemma_pair[0], tmp_path, "f8")
+    header = json.dumps({"odd": {"dtype": "F8_E4M3", "shape": [4], "data_offsets": [0, 4]}}).encode()
+    (src / "extra.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
+    expect_failure(capsys, "quantize", src, tmp_path / "out", needle="unsupported dtype F8_E4M3")
+
+
+def test_assistant_that_does_not_fit(gemma_pair, tmp_path, capsys):
+    from omlx_mtp.tiny import write_assistant
+
+    other = write_assistant(tmp_path / "other", TinySpec(hidden_size=96))
+    err = expect_failure(capsys, "quantize", gemma_pair[0], tmp_path / "out", "--assistant", other,
+                         needle="backbone_hidden_size 96 != target hidden_size 64")
+    assert str(other) in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_interrupt_leaves_nothing(gemma_pair, tmp_path, monkeypatch):
+    from omlx_mtp import quantize as quantize_module
+
+    calls = {"n": 0}
+    real = quantize_module._convert
+
+    def interrupted(*args):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        yield from real(*args)
+
+    monkeypatch.setattr(quantize_module, "_convert", interrupted)
+    assert main(["quantize", str(gemma_pair[0]), str(tmp_path / "out"), "--group-size", "32"]) == 130
+    assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_inspect_broken_checkpoint(gemma_pair, tmp_path, capsys):
+    src = corrupt_copy(gemma_pair[0], tmp_path, "broken")
+    (src / "model.safetensors").write_bytes(b"\x00" * 16)
+    code, out, _ = run(capsys, "inspect", src)
+    assert code != 0 and "problem:" in out

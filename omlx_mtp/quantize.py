@@ -58,29 +58,53 @@ def mtp_prefix(config: dict) -> str:
     return "language_model.mtp." if config.get("model_type") == "gemma4" else "mtp."
 
 
-class _ShardWriter:
-    """Collects evaluated tensors and writes a shard whenever the byte budget is reached."""
+_SAFETENSORS_DTYPES = {
+    mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.int64: "I64", mx.int32: "I32", mx.int16: "I16",
+    mx.int8: "I8", mx.uint64: "U64", mx.uint32: "U32", mx.uint16: "U16", mx.uint8: "U8", mx.bool_: "BOOL",
+}
 
-    def __init__(self, directory: Path, budget: int):
+
+class _ShardWriter:
+    """Writes tensors straight to disk as they come, so memory holds one tensor at a time.
+
+    A shard's tensor bytes go to a data file first; when the shard is full its safetensors header
+    (now known) is written and the data appended behind it."""
+
+    def __init__(self, directory: Path, budget: int, stem: str = "part"):
         self.directory = directory
         self.budget = budget
-        self.pending: dict[str, mx.array] = {}
-        self.pending_bytes = 0
+        self.stem = stem
         self.files: list[tuple[str, list[str]]] = []
+        self._data = None
+        self._entries: dict[str, dict] = {}
+        self._size = 0
 
     def add(self, name: str, array: mx.array):
-        if self.pending and self.pending_bytes + array.nbytes > self.budget:
+        nbytes = int(array.nbytes)
+        if self._entries and self._size + nbytes > self.budget:
             self.flush()
-        self.pending[name] = array
-        self.pending_bytes += array.nbytes
+        if self._data is None:
+            self._data = open(self.directory / f"{self.stem}-{len(self.files):05d}.data", "wb")
+        self._data.write(memoryview(mx.contiguous(array)))
+        self._entries[name] = {"dtype": _SAFETENSORS_DTYPES[array.dtype], "shape": list(array.shape),
+                               "data_offsets": [self._size, self._size + nbytes]}
+        self._size += nbytes
 
     def flush(self, filename: str | None = None):
-        if not self.pending:
+        if not self._entries:
             return
-        filename = filename or f"part-{len(self.files):05d}.safetensors"
-        mx.save_safetensors(str(self.directory / filename), self.pending, metadata={"format": "mlx"})
-        self.files.append((filename, list(self.pending)))
-        self.pending, self.pending_bytes = {}, 0
+        filename = filename or f"{self.stem}-{len(self.files):05d}.safetensors"
+        self._data.close()
+        data_path = Path(self._data.name)
+        header = json.dumps({"__metadata__": {"format": "mlx"}, **self._entries}, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)
+        with open(self.directory / filename, "wb") as shard, open(data_path, "rb") as data:
+            shard.write(len(header).to_bytes(8, "little"))
+            shard.write(header)
+            shutil.copyfileobj(data, shard, 16 << 20)
+        data_path.unlink()
+        self.files.append((filename, list(self._entries)))
+        self._data, self._entries, self._size = None, {}, 0
 
     def finish(self) -> dict:
         """Give the trunk shards mlx-lm's names and return the index's weight_map."""
@@ -119,6 +143,8 @@ def quantize(src: str | Path, out: str | Path, options: QuantizeOptions, assista
         raise MTPError(f"{out} exists (pass --force to replace it)")
     if out.resolve() == src.resolve():
         raise MTPError("OUT must differ from SRC (SRC is never modified)")
+    if config.get("quantization"):
+        raise MTPError(f"{src / 'config.json'}: SRC is already quantized; quantize from the original weights")
     tensor_infos(src)  # validates every header and dtype before anything is written
     assistant_config = None
     if assistant is not None:
@@ -159,7 +185,7 @@ def quantize(src: str | Path, out: str | Path, options: QuantizeOptions, assista
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         writer = _ShardWriter(staging, options.shard_bytes)
-        mtp_writer = _ShardWriter(staging, 1 << 62)
+        mtp_writer = _ShardWriter(staging, 1 << 62, stem="mtp")
         total = sum(int(a.nbytes) for _, a, _, _ in jobs)
         count = len(jobs)
         with tqdm(total=total, unit="B", unit_scale=True, desc="quantize", disable=not progress) as bar:

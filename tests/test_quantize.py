@@ -223,3 +223,46 @@ def test_inspect_broken_checkpoint(gemma_pair, tmp_path, capsys):
     (src / "model.safetensors").write_bytes(b"\x00" * 16)
     code, out, _ = run(capsys, "inspect", src)
     assert code != 0 and "problem:" in out
+
+
+def test_small_shards_and_mxfp4(gemma_pair, tmp_path):
+    from mlx_lm import load
+
+    from omlx_mtp.quantize import QuantizeOptions, quantize
+
+    target, assistant = gemma_pair
+    out = quantize(target, tmp_path / "mx", QuantizeOptions(mode="mxfp4", dtype="bfloat16", shard_bytes=20_000),
+                   assistant=assistant, progress=False)
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(weight_map.values()) == set(shards) | {"mtp.safetensors"}
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"]["mode"] == "mxfp4" and config["quantization"]["group_size"] == 32
+    model, _ = load(str(out))
+    assert model(mx.array([[3, 4, 5]])).shape == (1, 3, 512)
+
+
+def test_already_quantized_source_is_refused(gemma_pair, tmp_path, capsys):
+    first = tmp_path / "q"
+    assert main(["quantize", str(gemma_pair[0]), str(first), "--group-size", "32"]) == 0
+    expect_failure(capsys, "quantize", first, tmp_path / "again", needle="already quantized")
+
+
+@pytest.mark.parametrize("name, config, family", [
+    ("mtp.layers.0.mlp.gate_proj.weight", {}, "mtp-module"),
+    ("model.mtp.fc.weight", {}, "mtp-module"),
+    ("language_model.mtp.pre_projection.weight", {}, "mtp-module"),
+    ("model.mtp_layers.0.input_proj.weight", {}, "mimo"),
+    ("mtp_block.0.mlp.up_proj.weight", {}, "ernie"),
+    ("mtp_linear_proj.0.weight", {}, "ernie"),
+    ("model.layers.61.eh_proj.weight", {"num_hidden_layers": 61, "num_nextn_predict_layers": 1}, "deepseek-v3"),
+    ("model.layers.60.mlp.gate_proj.weight", {"num_hidden_layers": 61, "num_nextn_predict_layers": 1}, None),
+    ("model.layers.3.self_attn.q_proj.weight", {}, None),
+    ("model.embed_tokens.weight", {}, None),
+    ("model.smtp.weight", {}, None),
+])
+def test_mtp_registry(name, config, family):
+    from omlx_mtp.mtp_tensors import mtp_family
+
+    assert mtp_family(name, config) == family

@@ -65,17 +65,18 @@ _SAFETENSORS_DTYPES = {
 
 
 class _ShardWriter:
-    """Writes tensors straight to disk as they come, so memory holds one tensor at a time.
+    """Writes tensors straight into their shard file as they come, so memory holds one tensor at a
+    time.  The header is only known when the shard is full, so room for it is reserved up front
+    (``header_room``: an upper bound for every tensor still to come) and the JSON is padded with
+    spaces to fill it, as the safetensors format allows."""
 
-    A shard's tensor bytes go to a data file first; when the shard is full its safetensors header
-    (now known) is written and the data appended behind it."""
-
-    def __init__(self, directory: Path, budget: int, stem: str = "part"):
+    def __init__(self, directory: Path, budget: int, header_room: int, stem: str = "part"):
         self.directory = directory
         self.budget = budget
+        self.header_room = header_room + (-header_room % 8)
         self.stem = stem
         self.files: list[tuple[str, list[str]]] = []
-        self._data = None
+        self._file = None
         self._entries: dict[str, dict] = {}
         self._size = 0
 
@@ -83,9 +84,10 @@ class _ShardWriter:
         nbytes = int(array.nbytes)
         if self._entries and self._size + nbytes > self.budget:
             self.flush()
-        if self._data is None:
-            self._data = open(self.directory / f"{self.stem}-{len(self.files):05d}.data", "wb")
-        self._data.write(memoryview(mx.contiguous(array)))
+        if self._file is None:
+            self._file = open(self.directory / f"{self.stem}-{len(self.files):05d}.safetensors", "wb")
+            self._file.seek(8 + self.header_room)
+        self._file.write(memoryview(mx.contiguous(array)))
         self._entries[name] = {"dtype": _SAFETENSORS_DTYPES[array.dtype], "shape": list(array.shape),
                                "data_offsets": [self._size, self._size + nbytes]}
         self._size += nbytes
@@ -93,18 +95,19 @@ class _ShardWriter:
     def flush(self, filename: str | None = None):
         if not self._entries:
             return
-        filename = filename or f"{self.stem}-{len(self.files):05d}.safetensors"
-        self._data.close()
-        data_path = Path(self._data.name)
         header = json.dumps({"__metadata__": {"format": "mlx"}, **self._entries}, separators=(",", ":")).encode()
-        header += b" " * (-len(header) % 8)
-        with open(self.directory / filename, "wb") as shard, open(data_path, "rb") as data:
-            shard.write(len(header).to_bytes(8, "little"))
-            shard.write(header)
-            shutil.copyfileobj(data, shard, 16 << 20)
-        data_path.unlink()
-        self.files.append((filename, list(self._entries)))
-        self._data, self._entries, self._size = None, {}, 0
+        if len(header) > self.header_room:  # cannot happen with header_room from _header_room()
+            raise RuntimeError("safetensors header larger than the room reserved for it")
+        self._file.seek(0)
+        self._file.write(self.header_room.to_bytes(8, "little"))
+        self._file.write(header + b" " * (self.header_room - len(header)))
+        self._file.close()
+        written = Path(self._file.name)
+        if filename is not None:
+            os.rename(written, self.directory / filename)
+            written = self.directory / filename
+        self.files.append((written.name, list(self._entries)))
+        self._file, self._entries, self._size = None, {}, 0
 
     def finish(self) -> dict:
         """Give the trunk shards mlx-lm's names and return the index's weight_map."""
@@ -184,8 +187,9 @@ def quantize(src: str | Path, out: str | Path, options: QuantizeOptions, assista
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
-        writer = _ShardWriter(staging, options.shard_bytes)
-        mtp_writer = _ShardWriter(staging, 1 << 62, stem="mtp")
+        room = _header_room(jobs)
+        writer = _ShardWriter(staging, options.shard_bytes, room)
+        mtp_writer = _ShardWriter(staging, 1 << 62, room, stem="mtp")
         total = sum(int(a.nbytes) for _, a, _, _ in jobs)
         count = len(jobs)
         with tqdm(total=total, unit="B", unit_scale=True, desc="quantize", disable=not progress) as bar:
@@ -226,6 +230,16 @@ def quantize(src: str | Path, out: str | Path, options: QuantizeOptions, assista
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out
+
+
+def _header_room(jobs) -> int:
+    """An upper bound on the header of a shard holding every job's outputs (weight, scales, biases)."""
+    per_entry = len('"":{"dtype":"BF16","shape":[],"data_offsets":[,]},') + 2 * 20
+    room = 256
+    for name, array, _, _ in jobs:
+        shape = len(",".join(str(d) for d in array.shape)) + 24
+        room += 3 * (len(name) + len(".scales") + per_entry + shape)
+    return room
 
 
 def _trunk_scheme(name, array, modules, predicate, default):

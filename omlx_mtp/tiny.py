@@ -17,8 +17,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models import gemma4_text
 
-from .drafters.gemma4_assistant import Gemma4AssistantDrafter
-from .gemma4_config import FULL, SLIDING
+from .drafters.gemma4_assistant import Gemma4AssistantDrafter, normalize_assistant_config
+from .gemma4_config import FULL, SLIDING, normalize_text_config
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>"]
 CHAT_TEMPLATE = (
@@ -190,8 +190,6 @@ def write_tokenizer(directory: Path, vocab_size: int) -> None:
 def write_target(directory: Path, spec: TinySpec, seed: int = 0) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     text = target_text_config(spec)
-    from .gemma4_config import normalize_text_config
-
     model = gemma4_text.Model(gemma4_text.ModelArgs.from_dict(normalize_text_config(text)))
     weights = model.sanitize(_randomize(model, spec, np.random.default_rng(seed)))
     if spec.model_type == "gemma4":
@@ -208,8 +206,6 @@ def write_target(directory: Path, spec: TinySpec, seed: int = 0) -> Path:
 
 
 def write_assistant(directory: Path, spec: TinySpec, seed: int = 1) -> Path:
-    from .drafters.gemma4_assistant import normalize_assistant_config
-
     directory.mkdir(parents=True, exist_ok=True)
     config = assistant_config(spec)
     drafter = Gemma4AssistantDrafter(normalize_assistant_config(config, "tiny"))

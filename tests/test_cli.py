@@ -107,30 +107,26 @@ def test_mismatched_drafter_names_both_numbers(pair_31b, tmp_path, capsys):
                  "vocab_size 384 != target vocab_size 512")
 
 
+def copy_with_config(source, destination, **changes):
+    shutil.copytree(source, destination)
+    config = json.loads((destination / "config.json").read_text())
+    config.update(changes)
+    (destination / "config.json").write_text(json.dumps(config))
+    return destination
+
+
 def test_drafter_of_unknown_type(pair_31b, tmp_path, capsys):
-    odd = tmp_path / "odd"
-    shutil.copytree(pair_31b.drafter_dir, odd)
-    config = json.loads((odd / "config.json").read_text())
-    config["model_type"] = "llama"
-    (odd / "config.json").write_text(json.dumps(config))
+    odd = copy_with_config(pair_31b.drafter_dir, tmp_path / "odd", model_type="llama")
     expect_error(capsys, gen_args(pair_31b.target_dir, odd), "'llama' is not a known drafter")
 
 
 def test_target_of_unknown_type(pair_31b, tmp_path, capsys):
-    odd = tmp_path / "target"
-    shutil.copytree(pair_31b.target_dir, odd)
-    config = json.loads((odd / "config.json").read_text())
-    config["model_type"] = "mystery"
-    (odd / "config.json").write_text(json.dumps(config))
+    odd = copy_with_config(pair_31b.target_dir, tmp_path / "target", model_type="mystery")
     expect_error(capsys, gen_args(odd, pair_31b.drafter_dir), "'mystery' is not supported")
 
 
 def test_centroid_vocab_must_divide(pair_e2b, tmp_path, capsys):
-    odd = tmp_path / "centroid"
-    shutil.copytree(pair_e2b.drafter_dir, odd)
-    config = json.loads((odd / "config.json").read_text())
-    config["num_centroids"] = 24
-    (odd / "config.json").write_text(json.dumps(config))
+    odd = copy_with_config(pair_e2b.drafter_dir, tmp_path / "centroid", num_centroids=24)
     expect_error(capsys, gen_args(pair_e2b.target_dir, odd), "vocab_size 512 is not a multiple of num_centroids 24")
 
 

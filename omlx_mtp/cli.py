@@ -62,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--force", action="store_true", help="replace an existing OUT")
     quant.add_argument("--shard-size-mb", type=int, default=5120, help="maximum shard size (default 5 GB)")
 
+    sett = sub.add_parser("settings", help="MTP model settings (YAML)")
+    sett_sub = sett.add_subparsers(dest="settings_command", required=True)
+    show = sett_sub.add_parser("show", help="the settings that apply to a model id, and where they come from")
+    show.add_argument("model_id")
+    check = sett_sub.add_parser("validate", help="validate one YAML settings file")
+    check.add_argument("file")
+
     insp = sub.add_parser("inspect", help="describe a checkpoint's quantization and MTP weights")
     insp.add_argument("dir")
     insp.add_argument("--json", action="store_true")
@@ -161,6 +168,25 @@ def cmd_quantize(args) -> int:
     return 0
 
 
+def cmd_settings(args) -> int:
+    from . import settings
+
+    if args.settings_command == "validate":
+        data = settings.load_file(args.file)
+        print(f"{args.file}: valid ({', '.join(sorted(data)) or 'no keys'})")
+        return 0
+    resolved, files = settings.resolve(args.model_id)
+    print(f"# {args.model_id}: " + (", then ".join(str(f) for f in files) if files else "no settings files; defaults"))
+    print(yaml_dump(resolved.as_dict()), end="")
+    return 0
+
+
+def yaml_dump(data: dict) -> str:
+    import yaml
+
+    return yaml.safe_dump(data, sort_keys=False)
+
+
 def cmd_inspect(args) -> int:
     from .inspect_checkpoint import inspect_checkpoint, render
 
@@ -170,7 +196,7 @@ def cmd_inspect(args) -> int:
 
 
 COMMANDS = {"generate": cmd_generate, "demo": cmd_demo, "bench": cmd_bench, "quantize": cmd_quantize,
-            "inspect": cmd_inspect}
+            "inspect": cmd_inspect, "settings": cmd_settings}
 
 
 def main(argv=None) -> int:

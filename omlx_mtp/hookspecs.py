@@ -1,0 +1,50 @@
+"""The pluggy contract (project name ``omlx``): what a host such as oMLX calls, and plugins answer.
+
+Hooks marked ``firstresult`` stop at the first plugin that returns something other than None; a
+plugin registered later is asked first, so a third-party plugin can take over a model from ours.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT = "omlx"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec(firstresult=True)
+def omlx_skip_tensor_in_quantization(name: str, config: dict) -> bool | None:
+    """True: the quantizer drops this tensor; False: it must keep it; None: no opinion."""
+
+
+@hookspec(firstresult=True)
+def omlx_tensor_quantization(name: str, shape: tuple, config: dict) -> dict | bool | None:
+    """A per-tensor override: {"bits", "group_size", "mode"}, False to leave it unquantized, None: default."""
+
+
+@hookspec
+def omlx_tensors_to_preserve(weights: dict, config: dict) -> dict:
+    """Tensors a model's ``sanitize()`` would drop but the checkpoint must keep (name -> array).
+    The host calls this on the weights before sanitizing and puts the result back afterwards."""
+
+
+@hookspec
+def omlx_model_settings_schema() -> dict:
+    """Extra model-settings keys this plugin understands: key -> one-line description."""
+
+
+@hookspec(firstresult=True)
+def omlx_model_settings(model_id: str, model_path: str | None) -> dict | None:
+    """This plugin's validated settings for a model (e.g. from YAML), or None."""
+
+
+@hookspec(firstresult=True)
+def omlx_load_drafter(model_id: str, model_path: str, model, settings: dict):
+    """A drafter for the loaded target ``model``, or None.  Must not raise for user errors:
+    log why and return None so the model still serves without MTP."""
+
+
+@hookspec(firstresult=True)
+def omlx_decode_strategy(model_id: str, model, drafter, settings: dict):
+    """A decode strategy object for this model (see ``omlx_mtp.strategy``), or None for plain decoding."""

@@ -1,0 +1,27 @@
+"""The MTP decode strategy a host receives from ``omlx_decode_strategy``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .decode.loop import QUERY_AT_BONUS, QUERY_AT_LAST, SpeculativeDecoder
+from .decode.target import Gemma4Target
+from .settings import MTPSettings
+
+
+@dataclass
+class MTPStrategy:
+    name: str
+    decoder: SpeculativeDecoder
+    settings: MTPSettings
+
+    @classmethod
+    def build(cls, model, drafter, settings: MTPSettings) -> "MTPStrategy":
+        depth = settings.mtp_max_draft_tokens if settings.mtp_draft_tokens == "auto" else settings.mtp_draft_tokens
+        offset = QUERY_AT_BONUS if settings.mtp_query_position == "bonus" else QUERY_AT_LAST
+        decoder = SpeculativeDecoder(Gemma4Target(model), drafter, draft_tokens=depth, query_offset=offset)
+        return cls("omlx-mtp", decoder, settings)
+
+    def stream(self, requests, seed=None):
+        """Yield (rows, new tokens per row) for a batch of ``decode.loop.Request``s."""
+        return self.decoder.stream(requests, seed=seed)

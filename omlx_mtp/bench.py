@@ -99,8 +99,8 @@ def benchmark(session: Session, prompts: list[list[int]], draft_tokens: list[int
                     assert out.row.generated == plain.row.generated, "greedy MTP left plain decoding"
                     engines[name].append(out.tokens_per_second)
                     stats[name].append(out.row.stats)
-        costs = component_costs(session, list(prompts[0]), K)
         plain_tps = statistics.median(engines["plain"])
+        costs = component_costs(session, list(prompts[0]), K) if K != "auto" else {}
         costs["decode_ms"] = 1000 / plain_tps  # t_decode is a plain mlx-lm step
         for name, values in engines.items():
             tps = statistics.median(values)
@@ -113,9 +113,10 @@ def benchmark(session: Session, prompts: list[list[int]], draft_tokens: list[int
                 emitted = sum(s.emitted for s in stats[name])
                 entry.update(acceptance_rate=accepted / drafted if drafted else 0.0,
                              tokens_per_round=emitted / rounds if rounds else 0.0)
-                draft_ms = costs.get("draft_ms", 0.0) if name == "mtp" else 0.0
-                bound = speedup_bound(entry["tokens_per_round"], K, costs, draft_ms)
-                entry.update(speedup_bound=bound, achieved_over_bound=entry["speedup_vs_plain"] / bound)
+                if K != "auto":
+                    draft_ms = costs.get("draft_ms", 0.0) if name == "mtp" else 0.0
+                    bound = speedup_bound(entry["tokens_per_round"], K, costs, draft_ms)
+                    entry.update(speedup_bound=bound, achieved_over_bound=entry["speedup_vs_plain"] / bound)
             entry.update({k: v for k, v in costs.items()})
             results.append(entry)
             say(_row(entry))
@@ -123,10 +124,11 @@ def benchmark(session: Session, prompts: list[list[int]], draft_tokens: list[int
 
 
 def _row(e: dict) -> str:
-    line = f"{e['engine']:<7} K={e['draft_tokens']:<2} {e['tokens_per_second']:8.1f} tok/s  x{e['speedup_vs_plain']:.2f}"
+    line = f"{e['engine']:<7} K={e['draft_tokens']!s:<4} {e['tokens_per_second']:8.1f} tok/s  x{e['speedup_vs_plain']:.2f}"
     if "acceptance_rate" in e:
-        line += (f"  accept {e['acceptance_rate']:.0%}  {e['tokens_per_round']:.2f} tok/round"
-                 f"  bound x{e['speedup_bound']:.2f}  achieved/bound {e['achieved_over_bound']:.2f}")
+        line += f"  accept {e['acceptance_rate']:.0%}  {e['tokens_per_round']:.2f} tok/round"
+    if "speedup_bound" in e:
+        line += f"  bound x{e['speedup_bound']:.2f}  achieved/bound {e['achieved_over_bound']:.2f}"
     return line
 
 
@@ -174,7 +176,8 @@ def run_bench(model=None, drafter=None, draft_tokens=(1, 2, 3, 4), max_tokens=12
     prompts = bench_prompts(session, prompt_tokens)
     results = benchmark(session, prompts, list(draft_tokens), max_tokens=max_tokens, repeats=repeats)
     if compare_query_positions:
-        results += query_position_acceptance(session, prompts, max(draft_tokens), max_tokens)
+        fixed = [k for k in draft_tokens if k != "auto"] or [3]
+        results += query_position_acceptance(session, prompts, max(fixed), max_tokens)
     if json_out:
         Path(json_out).write_text(json.dumps({"regime": regime(), "model": label, "results": results}, indent=2))
         print(f"wrote {json_out}")

@@ -19,7 +19,8 @@ def _add_sampling(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--repetition-penalty", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--draft-tokens", type=int, default=3, help="drafts per round (K)")
+    parser.add_argument("--draft-tokens", default="3", help="drafts per round (K), or 'auto'")
+    parser.add_argument("--max-draft-tokens", type=int, default=8, help="largest depth for --draft-tokens auto")
     parser.add_argument(
         "--query-position",
         choices=sorted(QUERY_POSITIONS),
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="run the embedded demo pair with MTP off and on")
     demo.add_argument("--max-tokens", type=int, default=96)
-    demo.add_argument("--draft-tokens", type=int, default=3)
+    demo.add_argument("--draft-tokens", type=int, default=3, help="fixed depth shown beside auto")
     demo.add_argument("--json", action="store_true")
 
     quant = sub.add_parser("quantize", help="quantize a checkpoint, keeping its MTP weights")
@@ -76,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="plain vs MTP vs oracle drafter, same process and weights")
     bench.add_argument("--model", help="target checkpoint (default: the embedded tiny pair)")
     bench.add_argument("--drafter", help="drafter checkpoint (with --model)")
-    bench.add_argument("--draft-tokens", default="1,2,3,4", help="comma-separated depths")
+    bench.add_argument("--draft-tokens", default="1,2,3,4,auto", help="comma-separated depths, 'auto' included")
     bench.add_argument("--max-tokens", type=int, default=128)
     bench.add_argument("--prompt-tokens", type=int, default=64)
     bench.add_argument("--repeats", type=int, default=3)
@@ -91,8 +92,12 @@ def _sampling_params(args):
 
     if args.temp < 0 or not 0 <= args.top_p <= 1 or args.top_k < 0 or not 0 <= args.min_p <= 1:
         raise MTPError("sampling options out of range: --temp >= 0, 0 <= --top-p <= 1, --top-k >= 0, 0 <= --min-p <= 1")
-    if args.draft_tokens < 0 or args.draft_tokens > 16:
-        raise MTPError("--draft-tokens must be between 0 and 16")
+    if args.draft_tokens != "auto":
+        if not args.draft_tokens.isdigit() or int(args.draft_tokens) > 16:
+            raise MTPError(f"--draft-tokens: expected 0..16 or 'auto', got {args.draft_tokens!r}")
+        args.draft_tokens = int(args.draft_tokens)
+    if not 1 <= args.max_draft_tokens <= 16:
+        raise MTPError("--max-draft-tokens must be between 1 and 16")
     return SamplingParams(
         temperature=args.temp,
         top_p=args.top_p,
@@ -114,6 +119,7 @@ def cmd_generate(args) -> int:
         None if args.no_mtp else args.drafter,
         merged=not args.no_mtp,
         draft_tokens=args.draft_tokens,
+        max_draft_tokens=args.max_draft_tokens,
         query_offset=QUERY_POSITIONS[args.query_position],
     )
     prompt = session.encode(args.prompt, chat=args.chat)
@@ -146,7 +152,7 @@ def cmd_bench(args) -> int:
     if (args.model is None) != (args.drafter is None):
         raise MTPError("bench: pass both --model and --drafter, or neither (embedded pair)")
     try:
-        depths = [int(k) for k in args.draft_tokens.split(",")]
+        depths = [k if k == "auto" else int(k) for k in args.draft_tokens.split(",")]
     except ValueError:
         raise MTPError(f"--draft-tokens: expected comma-separated integers, got {args.draft_tokens!r}") from None
     return run_bench(args.model, args.drafter, depths, args.max_tokens, args.repeats, args.prompt_tokens,

@@ -48,13 +48,14 @@ class Outcome:
 class Session:
     """A loaded target (and optional drafter) that can run requests either way."""
 
-    def __init__(self, target: Gemma4Target, tokenizer=None, drafter=None, draft_tokens: int = 3,
-                 query_offset: int = 0):
+    def __init__(self, target: Gemma4Target, tokenizer=None, drafter=None, draft_tokens: int | str = 3,
+                 query_offset: int = 0, max_draft_tokens: int = 8):
         self.target = target
         self.model = target.model
         self.tokenizer = tokenizer
         self.drafter = drafter
-        self.decoder = SpeculativeDecoder(target, drafter, draft_tokens=draft_tokens, query_offset=query_offset)
+        self.decoder = SpeculativeDecoder(target, drafter, draft_tokens=draft_tokens, query_offset=query_offset,
+                                          max_draft_tokens=max_draft_tokens)
 
     @classmethod
     def load(cls, model_dir: str | Path, drafter_dir: str | Path | None = None, merged: bool = True,

@@ -17,9 +17,10 @@ class MTPStrategy:
 
     @classmethod
     def build(cls, model, drafter, settings: MTPSettings) -> "MTPStrategy":
-        depth = settings.mtp_max_draft_tokens if settings.mtp_draft_tokens == "auto" else settings.mtp_draft_tokens
         offset = QUERY_AT_BONUS if settings.mtp_query_position == "bonus" else QUERY_AT_LAST
-        decoder = SpeculativeDecoder(Gemma4Target(model), drafter, draft_tokens=depth, query_offset=offset)
+        decoder = SpeculativeDecoder(Gemma4Target(model), drafter, draft_tokens=settings.mtp_draft_tokens,
+                                     query_offset=offset, max_draft_tokens=settings.mtp_max_draft_tokens,
+                                     min_acceptance=settings.mtp_min_acceptance)
         return cls("omlx-mtp", decoder, settings)
 
     def stream(self, requests, seed=None):

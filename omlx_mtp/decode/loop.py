@@ -20,6 +20,7 @@ from typing import Iterator, Sequence
 import mlx.core as mx
 
 from .acceptance import accept_greedy, accept_sampled
+from .adaptive import DepthController
 from . import cache as caches
 from .sampling import SamplingParams, draft_probs, log_softmax, target_probs
 from .target import Gemma4Target
@@ -90,29 +91,40 @@ class SpeculativeDecoder:
         self,
         target: Gemma4Target,
         drafter,
-        draft_tokens: int = 3,
+        draft_tokens: int | str = 3,
         query_offset: int = QUERY_AT_BONUS,
         prefill_step: int = 512,
+        max_draft_tokens: int = 8,
+        min_acceptance: float = 0.0,
     ):
+        """draft_tokens: a fixed depth, or "auto" (chosen per round by a DepthController from the
+        measured acceptance and round cost, up to max_draft_tokens; plain decoding when MTP would
+        not gain, or when acceptance falls below min_acceptance)."""
         self.target = target
         self.drafter = drafter
         self.draft_tokens = draft_tokens
+        self.max_draft_tokens = max_draft_tokens
+        self.min_acceptance = min_acceptance
         self.query_offset = query_offset
         self.prefill_step = prefill_step
         self.drafter_kinds = sorted(set(getattr(drafter, "layer_types", [])))
 
     # -- public ---------------------------------------------------------------------------
-    def generate(self, requests: Sequence[Request], seed: int | None = None, draft_tokens: int | None = None):
+    def generate(self, requests: Sequence[Request], seed: int | None = None, draft_tokens: int | str | None = None):
         rows = None
         for rows, _ in self.stream(requests, seed=seed, draft_tokens=draft_tokens):
             pass
         return rows
 
-    def stream(self, requests: Sequence[Request], seed: int | None = None, draft_tokens: int | None = None) -> Iterator:
+    def stream(self, requests: Sequence[Request], seed: int | None = None,
+               draft_tokens: int | str | None = None) -> Iterator:
         """Yield (rows, new tokens per row) after the first token and after every round."""
-        K_max = self.draft_tokens if draft_tokens is None else draft_tokens
-        if self.drafter is None:
-            K_max = 0
+        depth = self.draft_tokens if draft_tokens is None else draft_tokens
+        controller = None
+        if depth == "auto":
+            controller = DepthController(self.max_draft_tokens, self.min_acceptance)
+            depth = self.max_draft_tokens
+        K_max = 0 if self.drafter is None else int(depth)
         key = mx.random.key(seed if seed is not None else time.time_ns() % (2**31))
         rows = [
             RowState(r, r.params.processors(), mx.array(list(r.prompt), dtype=mx.int32)) for r in requests
@@ -130,11 +142,15 @@ class SpeculativeDecoder:
         bonus, hidden, cache = _select(active, len(rows), bonus, hidden, cache)
         while active:
             remaining = max(rows[i].request.max_tokens - len(rows[i].generated) for i in active)
-            K = max(0, min(K_max, remaining - 1))
+            chosen = controller.choose() if controller is not None else K_max
+            K = max(0, min(chosen, K_max, remaining - 1))
             key, sub = mx.random.split(key)
             live = [rows[i] for i in active]
+            started = time.perf_counter()
             drafts, n, bonus, hidden = self._round(live, cache, bonus, hidden, K, sub)
             drafts_host, n_host, bonus_host = drafts.tolist(), n.tolist(), bonus.tolist()
+            if controller is not None:
+                controller.observe(K, n_host, time.perf_counter() - started)
             new = [[] for _ in rows]
             lengths = []
             for slot, (i, row) in enumerate(zip(active, live)):

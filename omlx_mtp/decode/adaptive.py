@@ -1,0 +1,75 @@
+"""Choosing the draft depth per round from measured acceptance and measured round cost.
+
+With per-draft acceptance rate a, a round of k drafts emits E(k) = (1 - a^(k+1)) / (1 - a) tokens
+on average and costs t(k) seconds (drafting plus one verify of k+1 positions, host work included).
+The controller picks the k in 0..max_depth with the most tokens per second, E(k) / t(k); k = 0 is
+plain decoding.  Both a and t(k) are exponential moving averages of what the loop measured; t(k)
+for depths not measured yet is extrapolated from a line through the ones that were.  When plain
+decoding wins, MTP steps aside and re-probes every ``probe_every`` rounds so a request whose text
+becomes predictable later gets MTP back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DepthController:
+    max_depth: int
+    min_acceptance: float = 0.0
+    probe_every: int = 16
+    smoothing: float = 0.2
+    acceptance: float = 0.6  # prior until measured
+    times: dict = field(default_factory=dict)  # depth -> EMA seconds per round
+    _plain_rounds: int = 0
+
+    def expected_tokens(self, k: int) -> float:
+        a = min(self.acceptance, 0.999)
+        return (1 - a ** (k + 1)) / (1 - a)
+
+    def round_time(self, k: int) -> float | None:
+        if k in self.times:
+            return self.times[k]
+        points = sorted(self.times.items())
+        if len(points) >= 2:
+            (k0, t0), (k1, t1) = points[0], points[-1]
+            slope = max((t1 - t0) / (k1 - k0), 0.0)
+            return t0 + slope * (k - k0)
+        if len(points) == 1:  # one measurement: assume each draft adds a third of a plain round
+            k0, t0 = points[0]
+            base = t0 / (1 + k0 / 3)
+            return base * (1 + k / 3)
+        return None
+
+    def choose(self) -> int:
+        if self.max_depth == 0:
+            return 0
+        if not self.times:
+            return self.max_depth  # measure the deepest first: most information per round
+        if self.acceptance < self.min_acceptance:
+            return self._plain_or_probe()
+        rates = {k: self.expected_tokens(k) / t for k in range(self.max_depth + 1)
+                 if (t := self.round_time(k)) is not None}
+        best = max(rates, key=rates.get)
+        if best == 0:
+            return self._plain_or_probe()
+        self._plain_rounds = 0
+        return best
+
+    def _plain_or_probe(self) -> int:
+        self._plain_rounds += 1
+        if self._plain_rounds % self.probe_every == 0:
+            return 1
+        return 0
+
+    def observe(self, k: int, accepted: list[int], seconds: float) -> None:
+        """After a round of depth k: accepted drafts per row, and the round's wall time."""
+        previous = self.times.get(k)
+        self.times[k] = seconds if previous is None else previous + self.smoothing * (seconds - previous)
+        if k == 0 or not accepted:
+            return
+        successes = sum(accepted)
+        trials = sum(n + 1 if n < k else k for n in accepted)
+        rate = successes / trials
+        self.acceptance += self.smoothing * (rate - self.acceptance)

@@ -1,0 +1,55 @@
+"""Adaptive draft depth: the choice follows acceptance and cost, and output stays lossless."""
+
+from __future__ import annotations
+
+import pytest
+
+from omlx_mtp.decode.adaptive import DepthController
+from omlx_mtp.decode.loop import Request, SpeculativeDecoder
+from omlx_mtp.decode.oracle import OracleDrafter
+from omlx_mtp.runner import run_plain
+
+from .conftest import prompts
+
+
+def feed(controller, acceptance: float, base: float = 1.0, per_draft: float = 0.3, rounds: int = 60):
+    """Simulate rounds whose drafts are accepted at a fixed rate and whose cost is linear in k."""
+    chosen = []
+    for i in range(rounds):
+        k = controller.choose()
+        chosen.append(k)
+        accepted = [min(k, int(acceptance * (k + 1)))] if k else []
+        controller.observe(k, accepted, base + per_draft * k)
+    return chosen
+
+
+def test_high_acceptance_and_cheap_drafts_go_deep():
+    chosen = feed(DepthController(max_depth=6), acceptance=0.95, per_draft=0.1)
+    assert min(chosen[-20:]) >= 4
+
+
+def test_useless_drafts_fall_back_to_plain_and_reprobe():
+    controller = DepthController(max_depth=6, probe_every=8)
+    chosen = feed(controller, acceptance=0.0, per_draft=0.4, rounds=80)
+    tail = chosen[-40:]
+    assert tail.count(0) >= 30  # plain decoding most of the time
+    assert any(k > 0 for k in tail)  # but it keeps probing
+
+
+def test_min_acceptance_forces_plain():
+    controller = DepthController(max_depth=4, min_acceptance=0.9, probe_every=1000)
+    chosen = feed(controller, acceptance=0.5, per_draft=0.01, rounds=40)
+    assert chosen[-10:] == [0] * 10
+
+
+@pytest.mark.parametrize("error_rate", [0.0, 0.5, 1.0])
+def test_auto_depth_is_lossless(pair_31b, error_rate):
+    batch = prompts(6, pair_31b.spec.vocab_size, seed=9)
+    references = {tuple(p): run_plain(pair_31b.model, Request(p, max_tokens=48)).row.generated for p in batch}
+    oracle = OracleDrafter(references, pair_31b.spec.vocab_size, error_rate=error_rate, seed=3)
+    decoder = SpeculativeDecoder(pair_31b.target, oracle, draft_tokens="auto", max_draft_tokens=6)
+    rows = decoder.generate([Request(p, max_tokens=48) for p in batch])
+    for prompt, row in zip(batch, rows):
+        assert row.generated == references[tuple(prompt)]
+    if error_rate == 1.0:  # drafts never right: most rounds are plain ones
+        assert sum(r.stats.drafted for r in rows) < sum(r.stats.rounds for r in rows)

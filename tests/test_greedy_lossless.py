@@ -86,3 +86,16 @@ def test_max_tokens_exact(pair, references, max_tokens):
     decoder = SpeculativeDecoder(pair.target, OracleDrafter(continuations, pair.spec.vocab_size), draft_tokens=4)
     row = decoder.generate([Request(list(prompt), max_tokens=max_tokens)])[0]
     assert row.generated == continuations[prompt][:max_tokens]
+
+
+@pytest.mark.parametrize("length", [1024, 1300])
+def test_long_prompt_chunked_prefill(pair, length):
+    """Prompts of several prefill chunks (512), far past the 16-token window, then the ring shrinks."""
+    prompt = prompts(1, pair.spec.vocab_size, seed=length, lengths=(length,))[0]
+    expected = run_plain(pair.model, Request(prompt, max_tokens=40)).row.generated
+    decoder = SpeculativeDecoder(pair.target, OracleDrafter({tuple(prompt): expected}, pair.spec.vocab_size,
+                                                            error_rate=0.3), draft_tokens=3)
+    row = decoder.generate([Request(prompt, max_tokens=40)])[0]
+    assert row.generated == expected
+    assistant = SpeculativeDecoder(pair.target, pair.drafter, draft_tokens=2).generate([Request(prompt, max_tokens=40)])
+    assert assistant[0].generated == expected

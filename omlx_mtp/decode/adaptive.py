@@ -5,8 +5,10 @@ on average and costs t(k) seconds (drafting plus one verify of k+1 positions, ho
 The controller picks the k in 0..max_depth with the most tokens per second, E(k) / t(k); k = 0 is
 plain decoding.  Both a and t(k) are exponential moving averages of what the loop measured; t(k)
 for depths not measured yet is extrapolated from a line through the ones that were.  When plain
-decoding wins, MTP steps aside and re-probes every ``probe_every`` rounds so a request whose text
-becomes predictable later gets MTP back.
+decoding wins, MTP steps aside and re-probes after ``probe_every`` rounds — doubling the wait after
+each probe that changes nothing — so a request whose text becomes predictable later gets MTP back.
+Acceptance is counted, not averaged per round: decayed successes and trials with a weak prior,
+so a few rejected drafts are enough to stop drafting; drafting must promise a margin over plain.
 """
 
 from __future__ import annotations
@@ -19,10 +21,20 @@ class DepthController:
     max_depth: int
     min_acceptance: float = 0.0
     probe_every: int = 16
-    smoothing: float = 0.2
-    acceptance: float = 0.6  # prior until measured
+    max_probe_every: int = 128
+    start_depth: int = 2
+    smoothing: float = 0.2  # for round times
+    decay: float = 0.97  # for acceptance counts (an effective window of ~30 drafts)
+    margin: float = 1.03  # drafting must promise 3% over plain decoding
     times: dict = field(default_factory=dict)  # depth -> EMA seconds per round
+    _successes: float = 0.0
+    _trials: float = 0.0
     _plain_rounds: int = 0
+    _wait: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return (self._successes + 0.5) / (self._trials + 1)
 
     def expected_tokens(self, k: int) -> float:
         a = min(self.acceptance, 0.999)
@@ -46,20 +58,23 @@ class DepthController:
         if self.max_depth == 0:
             return 0
         if not self.times:
-            return self.max_depth  # measure the deepest first: most information per round
+            return min(self.start_depth, self.max_depth)
         if self.acceptance < self.min_acceptance:
             return self._plain_or_probe()
         rates = {k: self.expected_tokens(k) / t for k in range(self.max_depth + 1)
                  if (t := self.round_time(k)) is not None}
         best = max(rates, key=rates.get)
-        if best == 0:
+        if best == 0 or (0 in rates and rates[best] < self.margin * rates[0]):
             return self._plain_or_probe()
-        self._plain_rounds = 0
+        self._plain_rounds, self._wait = 0, 0
         return best
 
     def _plain_or_probe(self) -> int:
+        self._wait = self._wait or self.probe_every
         self._plain_rounds += 1
-        if self._plain_rounds % self.probe_every == 0:
+        if self._plain_rounds >= self._wait:
+            self._plain_rounds = 0
+            self._wait = min(2 * self._wait, self.max_probe_every)
             return 1
         return 0
 
@@ -69,7 +84,5 @@ class DepthController:
         self.times[k] = seconds if previous is None else previous + self.smoothing * (seconds - previous)
         if k == 0 or not accepted:
             return
-        successes = sum(accepted)
-        trials = sum(n + 1 if n < k else k for n in accepted)
-        rate = successes / trials
-        self.acceptance += self.smoothing * (rate - self.acceptance)
+        self._successes = self.decay * self._successes + sum(accepted)
+        self._trials = self.decay * self._trials + sum(n + 1 if n < k else k for n in accepted)

@@ -108,6 +108,7 @@ class SpeculativeDecoder:
         self.query_offset = query_offset
         self.prefill_step = prefill_step
         self.drafter_kinds = sorted(set(getattr(drafter, "layer_types", [])))
+        self._compiled_greedy = self._compiled_sampled = None
 
     # -- public ---------------------------------------------------------------------------
     def generate(self, requests: Sequence[Request], seed: int | None = None, draft_tokens: int | str | None = None):
@@ -252,28 +253,57 @@ class SpeculativeDecoder:
             masks[kind] = source.table.visible(span)[:, None, None, :]
         lengths = cache[0].lengths
         if all(n == lengths[0] for n in lengths):
-            query_position = lengths[0] + self.query_offset
+            query_position = mx.array(lengths[0] + self.query_offset, dtype=mx.int32)
         else:
             query_position = mx.array(lengths, dtype=mx.int32) + self.query_offset
         temps = [row.request.params.temperature for row in rows]
         sampled = any(t > 0 for t in temps)
         temp = mx.array([t if t > 0 else 1.0 for t in temps], dtype=mx.float32)[:, None]
         is_greedy = mx.array([t <= 0 for t in temps])
+        context = [a for kind in self.drafter_kinds for a in (*shared_kv[kind], masks[kind])]
         token, h = bonus[:, None], hidden
         drafts, qs = [], []
         for step_key in mx.random.split(key, K):
-            logits, h = self.drafter(self.target.input_embedding(token), h, shared_kv, masks, query_position)
-            logits = logits[:, -1]
-            best = mx.argmax(logits, axis=-1).astype(mx.int32)
             if sampled:
-                q = draft_probs(logits, temp)
-                draw = mx.random.categorical(mx.log(q), key=step_key).astype(mx.int32)
-                best = mx.where(is_greedy, best, draw)
+                best, q, h = self._sampled_step(token, h, query_position, temp, is_greedy, step_key, *context)
                 qs.append(q)
+            else:
+                best, h = self._greedy_step(token, h, query_position, *context)
             drafts.append(best)
             token = best[:, None]
         q = mx.stack(qs, axis=1) if sampled else None
         return mx.stack(drafts, axis=1), q
+
+    # One draft step, compiled: a small drafter is dispatch-bound, and fusing its many small ops
+    # roughly halves a step's cost.  Shapes change rarely (batch size, K/V length), so recompiles do too.
+    def _drafter_logits(self, token, h, position, context):
+        kinds = self.drafter_kinds
+        shared_kv = {kind: (context[3 * i], context[3 * i + 1]) for i, kind in enumerate(kinds)}
+        masks = {kind: context[3 * i + 2] for i, kind in enumerate(kinds)}
+        logits, h = self.drafter(self.target.input_embedding(token), h, shared_kv, masks, position)
+        return logits[:, -1], h
+
+    @property
+    def _greedy_step(self):
+        if self._compiled_greedy is None:
+            def step(token, h, position, *context):
+                logits, h = self._drafter_logits(token, h, position, context)
+                return mx.argmax(logits, axis=-1).astype(mx.int32), h
+
+            self._compiled_greedy = mx.compile(step)
+        return self._compiled_greedy
+
+    @property
+    def _sampled_step(self):
+        if self._compiled_sampled is None:
+            def step(token, h, position, temp, is_greedy, key, *context):
+                logits, h = self._drafter_logits(token, h, position, context)
+                q = draft_probs(logits, temp)
+                draw = mx.random.categorical(mx.log(q), key=key).astype(mx.int32)
+                return mx.where(is_greedy, mx.argmax(logits, axis=-1).astype(mx.int32), draw), q, h
+
+            self._compiled_sampled = mx.compile(step)
+        return self._compiled_sampled
 
     def _process(self, rows, logits: mx.array, history_at) -> mx.array:
         """Apply each row's logits processors at every position; history_at(row, i) is the

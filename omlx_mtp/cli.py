@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     check = sett_sub.add_parser("validate", help="validate one YAML settings file")
     check.add_argument("file")
 
+    pat = sub.add_parser("patch", help="add the plugin hook call sites to oMLX (or remove them)")
+    pat.add_argument("action", choices=["apply", "check", "revert"])
+    pat.add_argument("--omlx", help="directory holding the omlx package (default: the importable one)")
+
     insp = sub.add_parser("inspect", help="describe a checkpoint's quantization and MTP weights")
     insp.add_argument("dir")
     insp.add_argument("--json", action="store_true")
@@ -193,6 +197,13 @@ def yaml_dump(data: dict) -> str:
     return yaml.safe_dump(data, sort_keys=False)
 
 
+def cmd_patch(args) -> int:
+    from .patcher import run
+
+    print(run(args.action, args.omlx))
+    return 0
+
+
 def cmd_inspect(args) -> int:
     from .inspect_checkpoint import inspect_checkpoint, render
 
@@ -202,7 +213,7 @@ def cmd_inspect(args) -> int:
 
 
 COMMANDS = {"generate": cmd_generate, "demo": cmd_demo, "bench": cmd_bench, "quantize": cmd_quantize,
-            "inspect": cmd_inspect, "settings": cmd_settings}
+            "inspect": cmd_inspect, "settings": cmd_settings, "patch": cmd_patch}
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,105 @@
+"""``omlx-mtp patch {apply,check,revert}``: add (or remove) the hook call sites in an oMLX tree.
+
+The patches in ``patches/omlx-<version>/`` are applied with ``git apply`` as a plain patch tool:
+every hunk of every patch is checked first and all of them land or none does; applying twice
+changes nothing; reverting restores the files byte for byte.  Another oMLX version, or a tree
+whose patched lines were edited, is refused without touching anything.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from .errors import MTPError
+
+
+def patches_root() -> Path:
+    """``patches/`` of the source tree, installed as the ``omlx_mtp.patches`` package."""
+    spec = importlib.util.find_spec("omlx_mtp.patches")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0])
+    return Path(__file__).resolve().parent.parent / "patches"
+
+
+def find_omlx(path: str | Path | None) -> Path:
+    """The directory that holds the ``omlx`` package (the tree root for a checkout)."""
+    if path is None:
+        spec = importlib.util.find_spec("omlx")
+        if spec is None or not spec.submodule_search_locations:
+            raise MTPError("no importable omlx package here; pass --omlx PATH (the directory holding omlx/)")
+        return Path(list(spec.submodule_search_locations)[0]).parent
+    path = Path(path)
+    if (path / "omlx" / "_version.py").is_file():
+        return path
+    if (path / "_version.py").is_file() and path.name == "omlx":
+        return path.parent
+    raise MTPError(f"{path}: not an oMLX tree (no omlx/_version.py)")
+
+
+def omlx_version(root: Path) -> str:
+    match = re.search(r'__version__\s*=\s*["\']([^"\']+)["\']', (root / "omlx" / "_version.py").read_text())
+    if not match:
+        raise MTPError(f"{root / 'omlx' / '_version.py'}: no __version__")
+    return match.group(1)
+
+
+def patches_for(version: str) -> list[Path]:
+    directory = patches_root() / f"omlx-{version}"
+    found = sorted(directory.glob("*.patch"))
+    if not found:
+        known = sorted(p.name.removeprefix("omlx-") for p in patches_root().glob("omlx-*") if p.is_dir())
+        raise MTPError(f"oMLX {version} is not supported by this omlx-mtp (patches exist for: {', '.join(known)})")
+    return found
+
+
+def _git_apply(root: Path, patches: list[Path], *flags: str) -> subprocess.CompletedProcess:
+    git = shutil.which("git")
+    if git is None:
+        raise MTPError("git is needed to apply patches (used as a plain patch tool); install git")
+    # Stop git from treating an enclosing repository as the place the patch paths are relative to.
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(root.resolve().parent)}
+    return subprocess.run([git, "apply", *flags, *map(str, patches)], cwd=root, env=env, capture_output=True, text=True)
+
+
+def state(root: Path) -> tuple[str, list[Path]]:
+    """("applied" | "clean" | "conflict", patches) for the oMLX tree at root."""
+    patches = patches_for(omlx_version(root))
+    if _git_apply(root, patches, "--check", "-R").returncode == 0:
+        return "applied", patches
+    if _git_apply(root, patches, "--check").returncode == 0:
+        return "clean", patches
+    return "conflict", patches
+
+
+def _conflict(root: Path, patches: list[Path]) -> MTPError:
+    detail = _git_apply(root, patches, "--check").stderr.strip().splitlines()
+    return MTPError(f"{root}: the oMLX {omlx_version(root)} files differ from the release where the patches go "
+                    f"({detail[0] if detail else 'hunks do not apply'}); nothing was changed")
+
+
+def run(action: str, path=None) -> str:
+    root = find_omlx(path)
+    current, patches = state(root)
+    names = ", ".join(p.name for p in patches)
+    if current == "conflict":
+        raise _conflict(root, patches)
+    if action == "check":
+        return f"oMLX {omlx_version(root)} at {root}: patches {'applied' if current == 'applied' else 'not applied'} ({names})"
+    if action == "apply":
+        if current == "applied":
+            return f"already applied to {root}"
+        result = _git_apply(root, patches)
+    elif action == "revert":
+        if current == "clean":
+            return f"not applied to {root}; nothing to revert"
+        result = _git_apply(root, patches, "-R")
+    else:
+        raise MTPError(f"unknown patch action {action!r}")
+    if result.returncode != 0:
+        raise MTPError(f"{root}: git apply failed: {result.stderr.strip()}")
+    return f"{'applied' if action == 'apply' else 'reverted'} {names} in {root}"

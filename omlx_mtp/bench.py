@@ -162,15 +162,23 @@ def query_position_acceptance(session: Session, prompts, K: int, max_tokens: int
 
 
 def run_bench(model=None, drafter=None, draft_tokens=(1, 2, 3, 4), max_tokens=128, repeats=3,
-              prompt_tokens=64, json_out=None, compare_query_positions=False) -> int:
+              prompt_tokens=64, json_out=None, compare_query_positions=False, synthetic=None,
+              synthetic_layers=2, dtype="bfloat16") -> int:
     from .demo import demo_pair
 
-    with tempfile.TemporaryDirectory(prefix="omlx-mtp-bench-") as tmp:
-        if model is None:
-            model, drafter, label = demo_pair(Path(tmp))
-        else:
-            label = f"{model} + {drafter}"
-        session = Session.load(model, drafter)
+    if synthetic is not None:
+        from .synthetic import synthetic_pair
+
+        target, assistant = synthetic_pair(synthetic, synthetic_layers, dtype)
+        session = Session(target, None, assistant)
+        label = f"{synthetic} ({synthetic_layers} target layers, random weights, {dtype})"
+    else:
+        with tempfile.TemporaryDirectory(prefix="omlx-mtp-bench-") as tmp:
+            if model is None:
+                model, drafter, label = demo_pair(Path(tmp))
+            else:
+                label = f"{model} + {drafter}"
+            session = Session.load(model, drafter)
     print(f"omlx-mtp bench — {label}")
     print(f"regime: {regime()}, dtype {session.target.dtype}")
     prompts = bench_prompts(session, prompt_tokens)

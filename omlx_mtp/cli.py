@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompt-tokens", type=int, default=64)
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--json", dest="json_out", help="write results to this JSON file")
+    bench.add_argument("--synthetic", help="an in-memory model at real widths, random weights: gemma4-31b-shaped")
+    bench.add_argument("--synthetic-layers", type=int, default=2)
+    bench.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                       help="dtype of a --synthetic model")
     bench.add_argument("--compare-query-positions", action="store_true",
                        help="also measure greedy acceptance with the drafter query at N and at N-1")
     return parser
@@ -155,12 +159,14 @@ def cmd_bench(args) -> int:
 
     if (args.model is None) != (args.drafter is None):
         raise MTPError("bench: pass both --model and --drafter, or neither (embedded pair)")
+    if args.synthetic and args.model:
+        raise MTPError("bench: --synthetic and --model exclude each other")
     try:
         depths = [k if k == "auto" else int(k) for k in args.draft_tokens.split(",")]
     except ValueError:
         raise MTPError(f"--draft-tokens: expected comma-separated integers, got {args.draft_tokens!r}") from None
     return run_bench(args.model, args.drafter, depths, args.max_tokens, args.repeats, args.prompt_tokens,
-                     args.json_out, args.compare_query_positions)
+                     args.json_out, args.compare_query_positions, args.synthetic, args.synthetic_layers, args.dtype)
 
 
 def cmd_quantize(args) -> int:

@@ -14,6 +14,12 @@ from .errors import CheckpointError
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 
+# Gemma 4's RoPE: default on sliding layers; proportional, a quarter of the dims rotated, on full layers.
+GEMMA4_ROPE = {
+    SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+    FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+}
+
 
 def default_layer_types(config: dict) -> list[str]:
     layers = int(config.get("num_hidden_layers", 35))

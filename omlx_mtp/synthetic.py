@@ -14,12 +14,7 @@ from mlx_lm.models import gemma4_text
 from .decode.target import Gemma4Target
 from .drafters.gemma4_assistant import Gemma4AssistantDrafter, normalize_assistant_config
 from .errors import MTPError
-from .gemma4_config import FULL, SLIDING
-
-ROPE = {
-    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
-}
+from .gemma4_config import FULL, GEMMA4_ROPE, SLIDING
 
 SHAPES = {
     "gemma4-31b-shaped": {
@@ -42,7 +37,7 @@ def synthetic_pair(name: str, layers: int = 2, dtype: str = "bfloat16"):
         "model_type": "gemma4_text", "num_hidden_layers": layers, "layer_types": types, "num_kv_shared_layers": 0,
         "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0, "use_double_wide_mlp": False,
         "enable_moe_block": False, "final_logit_softcapping": 30.0, "tie_word_embeddings": True,
-        "rope_parameters": ROPE, **shape["target"],
+        "rope_parameters": GEMMA4_ROPE, **shape["target"],
     }
     model = gemma4_text.Model(gemma4_text.ModelArgs.from_dict(target_config))
     model.set_dtype(getattr(mx, dtype))
@@ -52,7 +47,7 @@ def synthetic_pair(name: str, layers: int = 2, dtype: str = "bfloat16"):
         "num_key_value_heads": shape["target"]["num_key_value_heads"], "head_dim": shape["target"]["head_dim"],
         "global_head_dim": shape["target"]["global_head_dim"], "vocab_size": shape["target"]["vocab_size"],
         "sliding_window": shape["target"]["sliding_window"], "final_logit_softcapping": None,
-        "tie_word_embeddings": True, "rope_parameters": ROPE, **shape["assistant"],
+        "tie_word_embeddings": True, "rope_parameters": GEMMA4_ROPE, **shape["assistant"],
     }
     assistant = {"model_type": "gemma4_assistant", "backbone_hidden_size": shape["target"]["hidden_size"],
                  "use_ordered_embeddings": False, "text_config": text}

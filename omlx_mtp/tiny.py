@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import gemma4_text
 
 from .drafters.gemma4_assistant import Gemma4AssistantDrafter, normalize_assistant_config
-from .gemma4_config import FULL, SLIDING, normalize_text_config
+from .gemma4_config import FULL, GEMMA4_ROPE, SLIDING, normalize_text_config
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>"]
 CHAT_TEMPLATE = (
@@ -72,10 +72,7 @@ def target_text_config(spec: TinySpec) -> dict:
         "attention_k_eq_v": spec.k_eq_v,
         "enable_moe_block": False,
         "max_position_embeddings": 4096,
-        "rope_parameters": {
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
-        },
+        "rope_parameters": dict(GEMMA4_ROPE),
     }
     if spec.layout == "e2b":
         config.update(
@@ -112,10 +109,7 @@ def assistant_config(spec: TinySpec) -> dict:
         "attention_k_eq_v": False,
         "final_logit_softcapping": None,
         "tie_word_embeddings": True,
-        "rope_parameters": {
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
-        },
+        "rope_parameters": dict(GEMMA4_ROPE),
     }
     return {
         "model_type": "gemma4_assistant",

@@ -27,7 +27,7 @@ from mlx_lm.models import gemma4_text
 from .decode import cache as caches
 from .decode.target import Gemma4Target
 from .drafters.gemma4_assistant import Gemma4AssistantDrafter, normalize_assistant_config
-from .gemma4_config import FULL, SLIDING, normalize_text_config
+from .gemma4_config import FULL, GEMMA4_ROPE, SLIDING, normalize_text_config
 from .tiny import CHAT_TEMPLATE, SPECIAL_TOKENS
 
 
@@ -115,10 +115,7 @@ def target_config(spec: PairSpec, vocab_size: int) -> dict:
         "eos_token_id": 1,
         "bos_token_id": 2,
         "pad_token_id": 0,
-        "rope_parameters": {
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
-        },
+        "rope_parameters": dict(GEMMA4_ROPE),
     }
 
 

@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from .decode import cache as caches
 from .decode.loop import Request, SpeculativeDecoder
+from .decode.sampling import SamplingParams
 from .decode.oracle import OracleDrafter
 from .runner import Session, run_mtp, run_plain
 
@@ -76,55 +77,64 @@ def speedup_bound(tokens_per_round: float, K: int, costs: dict, draft_ms: float)
     return tokens_per_round / (costs["verify_ms"] / costs["decode_ms"] + K * draft_ms / costs["decode_ms"])
 
 
-def benchmark(session: Session, prompts: list[list[int]], draft_tokens: list[int], max_tokens: int = 128,
-              repeats: int = 3, say=print) -> list[dict]:
+def benchmark(session: Session, prompts: list[list[int]], draft_tokens: list, max_tokens: int = 128,
+              repeats: int = 3, temps=(0.0,), say=print) -> list[dict]:
     results = []
     stop = session.stop_tokens()
-    requests = [Request(p, max_tokens=max_tokens, stop_tokens=stop) for p in prompts]
-    plain_runs = {i: [] for i in range(len(requests))}
     continuation = {}
-    for i, request in enumerate(requests):  # warm-up, and the oracle's continuation
-        continuation[tuple(request.prompt)] = run_plain(session.model, request).row.generated
-    for K in draft_tokens:
-        oracle = SpeculativeDecoder(session.target, OracleDrafter(continuation, session.target.vocab_size), draft_tokens=K)
-        engines = {"plain": [], "mtp": [], "oracle": []}
-        stats = {"mtp": [], "oracle": []}
-        for request in requests:
-            run_mtp(session.decoder, request, draft_tokens=K)  # warm-up at this depth
-            for _ in range(repeats):
-                plain = run_plain(session.model, request)
-                engines["plain"].append(plain.tokens_per_second)
-                for name, decoder in (("mtp", session.decoder), ("oracle", oracle)):
-                    out = run_mtp(decoder, request, draft_tokens=K)
+    for prompt in prompts:  # warm-up, and the oracle's (greedy) continuation
+        continuation[tuple(prompt)] = run_plain(session.model, Request(prompt, max_tokens=max_tokens,
+                                                                       stop_tokens=stop)).row.generated
+    for temp in temps:
+        requests = [Request(p, SamplingParams(temperature=temp), max_tokens, stop) for p in prompts]
+        for K in draft_tokens:
+            results += _bench_depth(session, requests, K, temp, continuation, repeats, say)
+    return results
+
+
+def _bench_depth(session, requests, K, temp, continuation, repeats, say) -> list[dict]:
+    oracle = SpeculativeDecoder(session.target, OracleDrafter(continuation, session.target.vocab_size), draft_tokens=K)
+    engines = {"plain": [], "mtp": [], "oracle": []}
+    stats = {"mtp": [], "oracle": []}
+    for request in requests:
+        run_mtp(session.decoder, request, seed=0, draft_tokens=K)  # warm-up at this depth
+        for repeat in range(repeats):
+            plain = run_plain(session.model, request, seed=repeat)
+            engines["plain"].append(plain.tokens_per_second)
+            for name, decoder in (("mtp", session.decoder), ("oracle", oracle)):
+                out = run_mtp(decoder, request, seed=repeat, draft_tokens=K)
+                if temp == 0:
                     assert out.row.generated == plain.row.generated, "greedy MTP left plain decoding"
-                    engines[name].append(out.tokens_per_second)
-                    stats[name].append(out.row.stats)
-        plain_tps = statistics.median(engines["plain"])
-        costs = component_costs(session, list(prompts[0]), K) if K != "auto" else {}
-        costs["decode_ms"] = 1000 / plain_tps  # t_decode is a plain mlx-lm step
-        for name, values in engines.items():
-            tps = statistics.median(values)
-            entry = {"engine": name, "temp": 0.0, "draft_tokens": K if name != "plain" else 0, "batch": 1,
-                     "tokens_per_second": tps, "speedup_vs_plain": tps / plain_tps}
-            if name in stats:
-                drafted = sum(s.drafted for s in stats[name])
-                accepted = sum(s.accepted for s in stats[name])
-                rounds = sum(s.rounds for s in stats[name])
-                emitted = sum(s.emitted for s in stats[name])
-                entry.update(acceptance_rate=accepted / drafted if drafted else 0.0,
-                             tokens_per_round=emitted / rounds if rounds else 0.0)
-                if K != "auto":
-                    draft_ms = costs.get("draft_ms", 0.0) if name == "mtp" else 0.0
-                    bound = speedup_bound(entry["tokens_per_round"], K, costs, draft_ms)
-                    entry.update(speedup_bound=bound, achieved_over_bound=entry["speedup_vs_plain"] / bound)
-            entry.update({k: v for k, v in costs.items()})
-            results.append(entry)
-            say(_row(entry))
+                engines[name].append(out.tokens_per_second)
+                stats[name].append(out.row.stats)
+    plain_tps = statistics.median(engines["plain"])
+    costs = component_costs(session, list(requests[0].prompt), K) if K != "auto" else {}
+    costs["decode_ms"] = 1000 / plain_tps  # t_decode is a plain mlx-lm step
+    results = []
+    for name, values in engines.items():
+        tps = statistics.median(values)
+        entry = {"engine": name, "temp": temp, "draft_tokens": K if name != "plain" else 0, "batch": 1,
+                 "tokens_per_second": tps, "speedup_vs_plain": tps / plain_tps}
+        if name in stats:
+            drafted = sum(s.drafted for s in stats[name])
+            accepted = sum(s.accepted for s in stats[name])
+            rounds = sum(s.rounds for s in stats[name])
+            emitted = sum(s.emitted for s in stats[name])
+            entry.update(acceptance_rate=accepted / drafted if drafted else 0.0,
+                         tokens_per_round=emitted / rounds if rounds else 0.0)
+            if K != "auto":
+                draft_ms = costs.get("draft_ms", 0.0) if name == "mtp" else 0.0
+                bound = speedup_bound(entry["tokens_per_round"], K, costs, draft_ms)
+                entry.update(speedup_bound=bound, achieved_over_bound=entry["speedup_vs_plain"] / bound)
+        entry.update(costs)
+        results.append(entry)
+        say(_row(entry))
     return results
 
 
 def _row(e: dict) -> str:
-    line = f"{e['engine']:<7} K={e['draft_tokens']!s:<4} {e['tokens_per_second']:8.1f} tok/s  x{e['speedup_vs_plain']:.2f}"
+    line = (f"{e['engine']:<7} T={e['temp']:<4} K={e['draft_tokens']!s:<4} {e['tokens_per_second']:8.1f} tok/s"
+            f"  x{e['speedup_vs_plain']:.2f}")
     if "acceptance_rate" in e:
         line += f"  accept {e['acceptance_rate']:.0%}  {e['tokens_per_round']:.2f} tok/round"
     if "speedup_bound" in e:
@@ -163,7 +173,7 @@ def query_position_acceptance(session: Session, prompts, K: int, max_tokens: int
 
 def run_bench(model=None, drafter=None, draft_tokens=(1, 2, 3, 4), max_tokens=128, repeats=3,
               prompt_tokens=64, json_out=None, compare_query_positions=False, synthetic=None,
-              synthetic_layers=2, dtype="bfloat16") -> int:
+              synthetic_layers=2, dtype="bfloat16", temps=(0.0,)) -> int:
     from .demo import demo_pair
 
     if synthetic is not None:
@@ -182,7 +192,7 @@ def run_bench(model=None, drafter=None, draft_tokens=(1, 2, 3, 4), max_tokens=12
     print(f"omlx-mtp bench — {label}")
     print(f"regime: {regime()}, dtype {session.target.dtype}")
     prompts = bench_prompts(session, prompt_tokens)
-    results = benchmark(session, prompts, list(draft_tokens), max_tokens=max_tokens, repeats=repeats)
+    results = benchmark(session, prompts, list(draft_tokens), max_tokens=max_tokens, repeats=repeats, temps=temps)
     if compare_query_positions:
         fixed = [k for k in draft_tokens if k != "auto"] or [3]
         results += query_position_acceptance(session, prompts, max(fixed), max_tokens)

@@ -86,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompt-tokens", type=int, default=64)
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--json", dest="json_out", help="write results to this JSON file")
+    bench.add_argument("--temps", default="0", help="comma-separated temperatures, e.g. 0,0.7,1.0")
     bench.add_argument("--synthetic", help="an in-memory model at real widths, random weights: gemma4-31b-shaped")
     bench.add_argument("--synthetic-layers", type=int, default=2)
     bench.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
@@ -165,8 +166,13 @@ def cmd_bench(args) -> int:
         depths = [k if k == "auto" else int(k) for k in args.draft_tokens.split(",")]
     except ValueError:
         raise MTPError(f"--draft-tokens: expected comma-separated integers, got {args.draft_tokens!r}") from None
+    try:
+        temps = [float(t) for t in args.temps.split(",")]
+    except ValueError:
+        raise MTPError(f"--temps: expected comma-separated numbers, got {args.temps!r}") from None
     return run_bench(args.model, args.drafter, depths, args.max_tokens, args.repeats, args.prompt_tokens,
-                     args.json_out, args.compare_query_positions, args.synthetic, args.synthetic_layers, args.dtype)
+                     args.json_out, args.compare_query_positions, args.synthetic, args.synthetic_layers, args.dtype,
+                     temps)
 
 
 def cmd_quantize(args) -> int:

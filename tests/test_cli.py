@@ -149,3 +149,16 @@ def test_python_dash_m(pair_31b):
     proc = subprocess.run([sys.executable, "-m", "omlx_mtp.cli", "generate", "--model", str(pair_31b.target_dir),
                            "--drafter", "/nonexistent", "--prompt", "x"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
+
+
+def test_bench_json(pair_31b, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", str(pair_31b.target_dir), "--drafter", str(pair_31b.drafter_dir),
+                 "--draft-tokens", "2,auto", "--temps", "0,0.8", "--repeats", "1", "--max-tokens", "8",
+                 "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert len(results) == 2 * 2 * 3  # temps x depths x engines (plain, mtp, oracle)
+    for entry in results:
+        assert {"engine", "temp", "draft_tokens", "batch", "tokens_per_second", "speedup_vs_plain"} <= set(entry)
+        if entry["engine"] != "plain":
+            assert {"acceptance_rate", "tokens_per_round"} <= set(entry)

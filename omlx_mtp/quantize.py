@@ -266,8 +266,6 @@ def _mtp_scheme(name, array, options: QuantizeOptions, head: bool):
     if bits is None or not name.endswith(".weight") or array.ndim != 2 or "norm" in name:
         return None
     scheme = options.scheme(bits)
-    if options.mode == "affine":
-        scheme["bits"] = bits
     if array.shape[-1] % scheme["group_size"]:
         return None
     return scheme

@@ -154,9 +154,6 @@ class PositionalKVCache:
     def empty(self) -> bool:
         return self.keys is None
 
-    def is_trimmable(self) -> bool:
-        return True
-
     def _size(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
 

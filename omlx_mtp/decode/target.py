@@ -9,7 +9,7 @@ import math
 import mlx.core as mx
 from mlx_lm.models import gemma4_text
 
-from ..gemma4_config import FULL, SLIDING
+from ..gemma4_config import SLIDING
 from .cache import PositionalKVCache, make_caches
 
 
@@ -59,5 +59,3 @@ class Gemma4Target:
     def kv_source(self, cache: list, layer_type: str) -> PositionalKVCache:
         return cache[self.kv_owner[layer_type]]
 
-
-__all__ = ["Gemma4Target", "FULL", "SLIDING"]

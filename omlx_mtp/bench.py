@@ -18,7 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .decode import cache as caches
-from .decode.loop import Request, SpeculativeDecoder
+from .decode.loop import DecodeStats, Request, SpeculativeDecoder
 from .decode.sampling import SamplingParams
 from .decode.oracle import OracleDrafter
 from .runner import Session, run_mtp, run_plain
@@ -116,12 +116,8 @@ def _bench_depth(session, requests, K, temp, continuation, repeats, say) -> list
         entry = {"engine": name, "temp": temp, "draft_tokens": K if name != "plain" else 0, "batch": 1,
                  "tokens_per_second": tps, "speedup_vs_plain": tps / plain_tps}
         if name in stats:
-            drafted = sum(s.drafted for s in stats[name])
-            accepted = sum(s.accepted for s in stats[name])
-            rounds = sum(s.rounds for s in stats[name])
-            emitted = sum(s.emitted for s in stats[name])
-            entry.update(acceptance_rate=accepted / drafted if drafted else 0.0,
-                         tokens_per_round=emitted / rounds if rounds else 0.0)
+            pooled = DecodeStats.pooled(stats[name])
+            entry.update(acceptance_rate=pooled.acceptance_rate, tokens_per_round=pooled.tokens_per_round)
             if K != "auto":
                 draft_ms = costs.get("draft_ms", 0.0) if name == "mtp" else 0.0
                 bound = speedup_bound(entry["tokens_per_round"], K, costs, draft_ms)
@@ -159,12 +155,9 @@ def query_position_acceptance(session: Session, prompts, K: int, max_tokens: int
     for name, offset in (("bonus (N)", 0), ("last (N-1)", -1)):
         decoder = SpeculativeDecoder(session.target, session.drafter, draft_tokens=K, query_offset=offset)
         rows = decoder.generate([Request(p, max_tokens=max_tokens, stop_tokens=session.stop_tokens()) for p in prompts])
-        drafted = sum(r.stats.drafted for r in rows)
-        accepted = sum(r.stats.accepted for r in rows)
-        emitted = sum(r.stats.emitted for r in rows)
-        rounds = sum(r.stats.rounds for r in rows)
+        pooled = DecodeStats.pooled(r.stats for r in rows)
         entry = {"engine": "mtp", "query_position": name, "temp": 0.0, "draft_tokens": K, "batch": len(prompts),
-                 "acceptance_rate": accepted / drafted, "tokens_per_round": emitted / rounds}
+                 "acceptance_rate": pooled.acceptance_rate, "tokens_per_round": pooled.tokens_per_round}
         say(f"query at {name:<11} K={K}: acceptance {entry['acceptance_rate']:.1%}, "
             f"{entry['tokens_per_round']:.2f} tokens/round")
         out.append(entry)

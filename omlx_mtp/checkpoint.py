@@ -67,7 +67,9 @@ def load_weights(path: str | Path) -> dict[str, mx.array]:
     return weights
 
 
-SUPPORTED_DTYPES = {"F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U32", "U16", "U8", "BOOL"}
+# safetensors dtypes omlx-mtp reads, with their sizes in bytes.
+DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U32": 4, "U16": 2, "U8": 1,
+               "BOOL": 1}
 
 
 def tensor_infos(path: str | Path) -> dict[str, tuple[Path, str, list[int]]]:
@@ -79,7 +81,7 @@ def tensor_infos(path: str | Path) -> dict[str, tuple[Path, str, list[int]]]:
                 for name in handle.keys():
                     view = handle.get_slice(name)
                     dtype = view.get_dtype()
-                    if dtype not in SUPPORTED_DTYPES:
+                    if dtype not in DTYPE_BYTES:
                         raise CheckpointError(f"{file}: tensor {name} has unsupported dtype {dtype}")
                     infos[name] = (file, dtype, list(view.get_shape()))
         except (SafetensorError, OSError, ValueError) as exc:

@@ -6,13 +6,12 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from .checkpoint import read_config, tensor_infos
+from .checkpoint import DTYPE_BYTES, read_config, tensor_infos
 from .drafters import merged_assistant_config
 from .drafters.gemma4_assistant import check_config_fits
 from .errors import CheckpointError, MTPError
 from .mtp_tensors import mtp_family
 
-_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
 _NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32", "U32": "uint32"}
 
 
@@ -20,7 +19,7 @@ def _size(dtype: str, shape: list[int]) -> int:
     count = 1
     for dim in shape:
         count *= dim
-    return count * _BYTES.get(dtype, 1)
+    return count * DTYPE_BYTES[dtype]
 
 
 def _precision(name: str, infos: dict, quantization: dict | None) -> str:

@@ -24,7 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.utils import _get_classes
 
-from .checkpoint import read_config, safetensors_files, tensor_infos
+from .checkpoint import load_weights, read_config, tensor_infos
 from .drafters.gemma4_assistant import check_config_fits, normalize_assistant_config
 from .errors import MTPError
 from .models import target_config_overrides
@@ -158,9 +158,7 @@ def quantize(src: str | Path, out: str | Path, options: QuantizeOptions, assista
 
     dtype = getattr(mx, options.dtype)
     model = _model_for(config, str(src / "config.json"))
-    lazy = {}
-    for file in safetensors_files(src):
-        lazy.update(mx.load(str(file)))
+    lazy = load_weights(src)  # lazy: nothing is read until a tensor is evaluated
     mtp = {k: v for k, v in lazy.items() if is_mtp_tensor(k, config)}
     trunk = {k: v for k, v in lazy.items() if k not in mtp}
     if model is not None and hasattr(model, "sanitize"):
@@ -286,9 +284,7 @@ def _convert(name: str, array: mx.array, scheme, dtype):
 
 
 def _assistant_tensors(directory: Path) -> dict:
-    weights = {}
-    for file in safetensors_files(directory):
-        weights.update(mx.load(str(file)))
+    weights = load_weights(directory)
     weights.pop("lm_head.weight", None)  # tied to model.embed_tokens
     return weights
 

@@ -44,6 +44,12 @@ class DecodeStats:
     def tokens_per_round(self) -> float:
         return self.emitted / self.rounds if self.rounds else 0.0
 
+    @classmethod
+    def pooled(cls, many) -> "DecodeStats":
+        """The stats of several requests (or runs) added together."""
+        many = list(many)
+        return cls(*(sum(getattr(s, f) for s in many) for f in ("rounds", "drafted", "accepted", "emitted")))
+
     def as_dict(self) -> dict:
         return {
             "rounds": self.rounds,

@@ -21,22 +21,29 @@ def leading_true(flags: mx.array) -> mx.array:
     return mx.min(mx.where(flags, K, mx.arange(K, dtype=mx.int32)), axis=1).astype(mx.int32)
 
 
-def accept_greedy(drafts: mx.array, target_tokens: mx.array) -> tuple[mx.array, mx.array]:
-    """drafts [B, K], target argmax [B, K+1] -> (accepted count [B], next token [B])."""
+def accept_greedy(drafts: mx.array, target_tokens: mx.array, allowed: mx.array | None = None):
+    """drafts [B, K], target argmax [B, K+1] -> (accepted count [B], next token [B]).
+    ``allowed`` [B, K]: drafts a row may keep at all (a row capped below K rejects the rest)."""
     K = drafts.shape[1]
-    n = leading_true(drafts == target_tokens[:, :K])
+    match = drafts == target_tokens[:, :K]
+    n = leading_true(match if allowed is None else match & allowed)
     return n, mx.take_along_axis(target_tokens, n[:, None], axis=1)[:, 0]
 
 
-def accept_sampled(drafts: mx.array, q: mx.array, p: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:
-    """drafts [B, K] drawn from q [B, K, V]; p [B, K+1, V] target -> (accepted [B], next token [B])."""
+def accept_sampled(drafts: mx.array, q: mx.array, p: mx.array, key: mx.array, allowed: mx.array | None = None):
+    """drafts [B, K] drawn from q [B, K, V]; p [B, K+1, V] target -> (accepted [B], next token [B]).
+    A draft that is not ``allowed`` counts as proposed with q = 0: rejected, and the residual
+    there is p itself, so the row's next token is a plain draw from p at that position."""
     K = drafts.shape[1]
     accept_key, draw_key = mx.random.split(key)
+    if allowed is not None:
+        q = mx.where(allowed[..., None], q, 0.0)
     index = drafts[..., None]
     p_draft = mx.take_along_axis(p[:, :K], index, axis=-1)[..., 0]
     q_draft = mx.take_along_axis(q, index, axis=-1)[..., 0]
     u = mx.random.uniform(shape=p_draft.shape, key=accept_key)
-    n = leading_true(u * q_draft < p_draft)  # u < p/q without dividing
+    flags = u * q_draft < p_draft  # u < p/q without dividing
+    n = leading_true(flags if allowed is None else flags & allowed)
     residual = mx.maximum(p[:, :K] - q, 0.0)
     candidates = mx.concatenate([residual, p[:, K:]], axis=1)  # [B, K+1, V]
     chosen = mx.take_along_axis(candidates, n[:, None, None], axis=1)[:, 0]

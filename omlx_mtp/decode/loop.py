@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
 
@@ -68,21 +68,49 @@ class Request:
     stop_tokens: frozenset = frozenset()
 
 
-@dataclass
+@dataclass(eq=False)  # rows are compared by identity
 class RowState:
+    """One request in the batch.  ``sampler``: a host's own sampler whose distribution is not
+    known here (the row then takes one token per round, drawn by that sampler); ``stateful``:
+    logits processors that may keep state (grammars follow the emitted tokens through
+    ``accept_token``), which must not see drafts, so they likewise hold the row to one token
+    per round; ``matcher``: token -> True when a stop
+    sequence completed (default: the request's stop tokens)."""
+
     request: Request
     processors: list
     history: mx.array  # prompt + emitted tokens (bonus included) for logits processors
     generated: list = field(default_factory=list)
     finish_reason: str | None = None
     stats: DecodeStats = field(default_factory=DecodeStats)
+    controller: DepthController | None = None
+    sampler: Callable | None = None
+    stateful: list = field(default_factory=list)
+    matcher: Callable[[int], bool] | None = None
+    stop_token: int | None = None  # the token that ended the row ("stop"); not in ``generated``
+    prompt_length: int = 0  # tokens in the target cache before the first generated one
+
+    @property
+    def cache_length(self) -> int:
+        """Tokens a finished row's cache holds: prompt and everything emitted (stop included)."""
+        return self.prompt_length + len(self.generated) + (self.stop_token is not None)
+
+    @property
+    def one_token_per_round(self) -> bool:
+        return self.sampler is not None or bool(self.stateful)
+
+    def _stops(self, token: int) -> bool:
+        return self.matcher(token) if self.matcher is not None else token in self.request.stop_tokens
 
     def emit(self, tokens: list[int]) -> list[int]:
         """Append tokens up to a stop token or max_tokens; return what was appended."""
         out = []
         for token in tokens:
-            if token in self.request.stop_tokens:
-                self.finish_reason = "stop"
+            for processor in self.stateful:
+                if hasattr(processor, "accept_token"):
+                    processor.accept_token(token)
+            if self._stops(token):
+                self.finish_reason, self.stop_token = "stop", token
                 break
             out.append(token)
             if len(self.generated) + len(out) >= self.request.max_tokens:
@@ -90,6 +118,108 @@ class RowState:
                 break
         self.generated.extend(out)
         return out
+
+
+class LiveBatch:
+    """The rows decoding together.  Rows join (prefilled) and leave at round boundaries; each
+    round drafts to the deepest depth any row asked for, and each row keeps at most its own."""
+
+    def __init__(self, decoder: "SpeculativeDecoder", draft_tokens: int | str, seed: int | None = None):
+        self.decoder = decoder
+        self.auto = draft_tokens == "auto"
+        depth = decoder.max_draft_tokens if self.auto else int(draft_tokens)
+        self.max_depth = 0 if decoder.drafter is None else depth
+        self.key = mx.random.key(seed if seed is not None else time.time_ns() % (2**31))
+        self.rows: list[RowState] = []
+        self.cache = self.bonus = self.hidden = None
+        self.logits = None  # processed verify logits of the last round [B, K+1, V] (for logprobs)
+
+    def new_row(self, request: Request, **extra) -> RowState:
+        controller = DepthController(self.max_depth, self.decoder.min_acceptance) if self.auto else None
+        history = mx.array(list(request.prompt), dtype=mx.int32)
+        return RowState(request, request.params.processors(), history, controller=controller, **extra)
+
+    def _split_key(self):
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+    def start(self, rows: list[RowState], cache, hidden, logits) -> list[list[int]]:
+        """Rows whose prompts are in ``cache``: sample each one's first token from ``logits``
+        (the last prompt position), then let the unfinished ones join the batch."""
+        for row, length in zip(rows, cache[0].lengths):
+            row.prompt_length = length
+        logits = self.decoder._process(rows, logits[:, -1:], lambda r, i: rows[r].history)
+        bonus = self.decoder._sample_rows(rows, logits[:, 0], self._split_key())
+        first = bonus.tolist()
+        new = []
+        for row, token in zip(rows, first):
+            row.history = mx.concatenate([row.history, mx.array([token], dtype=mx.int32)])
+            new.append(row.emit([token]))
+        self.first_logits = logits
+        live = [i for i, row in enumerate(rows) if row.finish_reason is None]
+        if live:
+            self._join([rows[i] for i in live], *_select(live, len(rows), bonus, hidden[:, -1:], cache))
+        return new
+
+    def _join(self, rows, bonus, hidden, cache):
+        if not self.rows:
+            self.rows, self.bonus, self.hidden, self.cache = list(rows), bonus, hidden, cache
+            return
+        self.rows += rows
+        self.bonus = mx.concatenate([self.bonus, bonus])
+        self.hidden = mx.concatenate([self.hidden, hidden])
+        self.cache = caches.stack_caches([self.cache, cache])
+
+    def retire(self, rows: list[RowState]) -> None:
+        """Remove rows (finished or aborted) from the batch."""
+        gone = {id(row) for row in rows}
+        keep = [i for i, row in enumerate(self.rows) if id(row) not in gone]
+        if len(keep) == len(self.rows):
+            return
+        if not keep:
+            self.rows, self.cache, self.bonus, self.hidden = [], None, None, None
+            return
+        self.bonus, self.hidden, self.cache = _select(keep, len(self.rows), self.bonus, self.hidden, self.cache)
+        self.rows = [self.rows[i] for i in keep]
+
+    def round(self) -> list[list[int]]:
+        """One round for every row; returns the tokens each row emitted (in ``self.rows`` order)."""
+        rows = self.rows
+        wanted = [0 if row.one_token_per_round else
+                  (row.controller.choose() if row.controller is not None else self.max_depth) for row in rows]
+        remaining = max(row.request.max_tokens - len(row.generated) for row in rows)
+        K = max(0, min(max(wanted), self.max_depth, remaining - 1))
+        caps = [min(w, K) for w in wanted]
+        started = time.perf_counter()
+        drafts, n, bonus, hidden, self.logits = self.decoder._round(
+            rows, self.cache, self.bonus, self.hidden, K, self._split_key(), caps)
+        drafts_host, n_host = drafts.tolist(), n.tolist()
+        seconds = time.perf_counter() - started
+        new, lengths = [], []
+        for slot, row in enumerate(rows):
+            if row.controller is not None:
+                row.controller.observe(caps[slot], [n_host[slot]], seconds)
+            kept = drafts_host[slot][: n_host[slot]] + [bonus[slot].item()]
+            row.stats.rounds += 1
+            row.stats.drafted += caps[slot]
+            row.stats.accepted += n_host[slot]
+            emitted = row.emit(kept)
+            row.stats.emitted += len(emitted)
+            new.append(emitted)
+            if row.processors:
+                row.history = mx.concatenate([row.history, mx.array(kept, dtype=mx.int32)])
+            lengths.append(self.cache[0].lengths[slot] + n_host[slot] + 1)
+        caches.commit(self.cache, lengths)
+        self.bonus, self.hidden = bonus, hidden
+        return new
+
+    def final_cache(self, row: RowState) -> list:
+        """A one-row copy of the row's cache holding exactly its prompt and every token it
+        emitted, a stop token included — the cache mlx-lm's BatchGenerator hands back when a
+        request finishes.  Accepted drafts past a stop are cut; a pending bonus is fed."""
+        slot = next(i for i, r in enumerate(self.rows) if r is row)
+        cache = caches.select_rows(self.cache, [slot])
+        return self.decoder.cache_at(cache, self.bonus[slot : slot + 1], row.cache_length)
 
 
 class SpeculativeDecoder:
@@ -103,9 +233,9 @@ class SpeculativeDecoder:
         max_draft_tokens: int = 8,
         min_acceptance: float = 0.0,
     ):
-        """draft_tokens: a fixed depth, or "auto" (chosen per round by a DepthController from the
-        measured acceptance and round cost, up to max_draft_tokens; plain decoding when MTP would
-        not gain, or when acceptance falls below min_acceptance)."""
+        """draft_tokens: a fixed depth, or "auto" (chosen per request and round by a DepthController
+        from the measured acceptance and round cost, up to max_draft_tokens; plain decoding when MTP
+        would not gain, or when acceptance falls below min_acceptance)."""
         self.target = target
         self.drafter = drafter
         self.draft_tokens = draft_tokens
@@ -126,56 +256,21 @@ class SpeculativeDecoder:
     def stream(self, requests: Sequence[Request], seed: int | None = None,
                draft_tokens: int | str | None = None) -> Iterator:
         """Yield (rows, new tokens per row) after the first token and after every round."""
-        depth = self.draft_tokens if draft_tokens is None else draft_tokens
-        controller = None
-        if depth == "auto":
-            controller = DepthController(self.max_draft_tokens, self.min_acceptance)
-            depth = self.max_draft_tokens
-        K_max = 0 if self.drafter is None else int(depth)
-        key = mx.random.key(seed if seed is not None else time.time_ns() % (2**31))
-        rows = [
-            RowState(r, r.params.processors(), mx.array(list(r.prompt), dtype=mx.int32)) for r in requests
-        ]
-        cache, hidden, logits = self._prefill([list(r.prompt) for r in requests], slack=K_max + 1)
-        key, sub = mx.random.split(key)
-        bonus = self._first_tokens(rows, logits, sub)
-        first = bonus.tolist()
-        new = []
-        for row, token in zip(rows, first):
-            row.history = mx.concatenate([row.history, mx.array([token], dtype=mx.int32)])
-            new.append(row.emit([token]))
-        yield rows, new
-        active = [i for i, row in enumerate(rows) if row.finish_reason is None]
-        bonus, hidden, cache = _select(active, len(rows), bonus, hidden, cache)
-        while active:
-            remaining = max(rows[i].request.max_tokens - len(rows[i].generated) for i in active)
-            chosen = controller.choose() if controller is not None else K_max
-            K = max(0, min(chosen, K_max, remaining - 1))
-            key, sub = mx.random.split(key)
-            live = [rows[i] for i in active]
-            started = time.perf_counter()
-            drafts, n, bonus, hidden = self._round(live, cache, bonus, hidden, K, sub)
-            drafts_host, n_host, bonus_host = drafts.tolist(), n.tolist(), bonus.tolist()
-            if controller is not None:
-                controller.observe(K, n_host, time.perf_counter() - started)
+        batch = self.batch(draft_tokens, seed)
+        rows = [batch.new_row(r) for r in requests]
+        cache, hidden, logits = self._prefill([list(r.prompt) for r in requests], slack=batch.max_depth + 1)
+        yield rows, batch.start(rows, cache, hidden, logits)
+        index = {id(row): i for i, row in enumerate(rows)}
+        while batch.rows:
             new = [[] for _ in rows]
-            lengths = []
-            for slot, (i, row) in enumerate(zip(active, live)):
-                kept = drafts_host[slot][: n_host[slot]] + [bonus_host[slot]]
-                row.stats.rounds += 1
-                row.stats.drafted += K
-                row.stats.accepted += n_host[slot]
-                new[i] = row.emit(kept)
-                row.stats.emitted += len(new[i])
-                if row.processors:
-                    row.history = mx.concatenate([row.history, mx.array(kept, dtype=mx.int32)])
-                lengths.append(cache[0].lengths[slot] + n_host[slot] + 1)
-            caches.commit(cache, lengths)
+            for row, tokens in zip(batch.rows, batch.round()):
+                new[index[id(row)]] = tokens
             yield rows, new
-            still = [slot for slot, i in enumerate(active) if rows[i].finish_reason is None]
-            if len(still) != len(active):
-                bonus, hidden, cache = _select(still, len(active), bonus, hidden, cache)
-                active = [active[slot] for slot in still]
+            batch.retire([row for row in batch.rows if row.finish_reason is not None])
+
+    def batch(self, draft_tokens: int | str | None = None, seed: int | None = None) -> LiveBatch:
+        """An empty batch that rows can join; draft_tokens defaults to the decoder's."""
+        return LiveBatch(self, self.draft_tokens if draft_tokens is None else draft_tokens, seed)
 
     # -- steps ----------------------------------------------------------------------------
     def _prefill(self, prompts: list[list[int]], slack: int):
@@ -190,11 +285,14 @@ class SpeculativeDecoder:
         logits = mx.concatenate([done[j][2] for j in pick], axis=0)
         return cache, hidden, logits
 
-    def _prefill_one(self, prompt: list[int], slack: int):
+    def _prefill_one(self, prompt: list[int], slack: int, cache=None):
+        """Run the prompt through the target (into ``cache`` when given, which must have room for
+        a chunk: ``prefill_slack``); returns the cache with ``slack``, last hidden and logits."""
         if not prompt:
             raise ValueError("empty prompt")
         step = self.prefill_step
-        cache = self.target.make_cache(1, slack=max(slack, step))
+        if cache is None:
+            cache = self.target.make_cache(1, slack=self.prefill_slack(slack))
         tokens = mx.array(prompt, dtype=mx.int32)[None]
         for start in range(0, len(prompt), step):
             chunk = tokens[:, start : start + step]
@@ -209,12 +307,25 @@ class SpeculativeDecoder:
         mx.eval(hidden, logits, [c.state for c in cache])
         return cache, hidden, logits
 
-    def _first_tokens(self, rows: list[RowState], logits: mx.array, key) -> mx.array:
-        logits = logits[:, -1]
-        logits = self._process(rows, logits[:, None], lambda r, i: rows[r].history)[:, 0]
-        return self._sample_rows(rows, logits, key)
+    def cache_at(self, cache: list, pending: mx.array, length: int) -> list:
+        """A one-row cache cut back to ``length`` tokens, or grown by feeding ``pending`` [1]
+        (the token that follows its committed ones) when ``length`` is one more."""
+        have = cache[0].lengths[0]
+        if length == have + 1:
+            self.target.body(pending[:, None], cache=cache)
+            caches.advance(cache, 1)
+        elif length <= have:
+            caches.commit(cache, [length])
+        else:
+            raise ValueError(f"a cache of {have} tokens cannot reach {length}")
+        mx.eval([c.state for c in cache])
+        return cache
+
+    def prefill_slack(self, slack: int) -> int:
+        return max(slack, self.prefill_step)
 
     def _sample_rows(self, rows, logits, key) -> mx.array:
+        """[B, V] processed logits -> one token per row, as plain decoding would draw it."""
         tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
         sampled = [i for i, row in enumerate(rows) if not row.request.params.greedy]
         if sampled:
@@ -222,9 +333,19 @@ class SpeculativeDecoder:
             draws = mx.random.categorical(mx.log(probs), key=key).astype(mx.int32)
             is_sampled = mx.array([not row.request.params.greedy for row in rows])
             tokens = mx.where(is_sampled, draws, tokens)
-        return tokens
+        return self._host_sampled(rows, logits, tokens)
 
-    def _round(self, rows: list[RowState], cache, bonus, hidden, K: int, key):
+    def _host_sampled(self, rows, logits, tokens) -> mx.array:
+        """Rows with a host sampler take that sampler's draw (logits [B, V])."""
+        own = [r for r, row in enumerate(rows) if row.sampler is not None]
+        if not own:
+            return tokens
+        draws = {r: rows[r].sampler(log_softmax(logits[r : r + 1])).reshape(-1).astype(mx.int32) for r in own}
+        return mx.concatenate([draws[r] if r in draws else tokens[r : r + 1] for r in range(len(rows))])
+
+    def _round(self, rows: list[RowState], cache, bonus, hidden, K: int, key, caps: list[int] | None = None):
+        """One round at depth K; row r keeps at most caps[r] drafts.  Returns drafts, accepted
+        counts, next bonus tokens, the hidden state at the last kept position, processed logits."""
         draft_key, accept_key = mx.random.split(key)
         if hasattr(self.drafter, "propose"):  # a drafter that brings its own proposal step
             drafts, q = self.drafter.propose(rows, K, draft_key)
@@ -233,19 +354,23 @@ class SpeculativeDecoder:
         verify = mx.concatenate([bonus[:, None], drafts], axis=1)
         logits, verify_hidden = self.target.forward(verify, cache)
         logits = self._process(rows, logits, lambda r, i: mx.concatenate([rows[r].history, drafts[r, :i]]))
+        allowed = None
+        if caps is not None and K > 0 and min(caps) < K:
+            allowed = mx.arange(K)[None] < mx.array(caps)[:, None]
         greedy = [row.request.params.greedy for row in rows]
         if all(greedy):
-            n, nxt = accept_greedy(drafts, mx.argmax(logits, axis=-1).astype(mx.int32))
+            n, nxt = accept_greedy(drafts, mx.argmax(logits, axis=-1).astype(mx.int32), allowed)
         else:
             p = self._target_distribution(rows, logits)
-            n, nxt = accept_sampled(drafts, q, p, accept_key)
+            n, nxt = accept_sampled(drafts, q, p, accept_key, allowed)
             if any(greedy):
-                n_g, nxt_g = accept_greedy(drafts, mx.argmax(logits, axis=-1).astype(mx.int32))
+                n_g, nxt_g = accept_greedy(drafts, mx.argmax(logits, axis=-1).astype(mx.int32), allowed)
                 is_greedy = mx.array(greedy)
                 n, nxt = mx.where(is_greedy, n_g, n), mx.where(is_greedy, nxt_g, nxt)
+        nxt = self._host_sampled(rows, logits[:, 0], nxt)  # such rows keep no drafts (caps 0)
         new_hidden = mx.take_along_axis(verify_hidden, n[:, None, None], axis=1)
         mx.eval(drafts, n, nxt, new_hidden)
-        return drafts, n, nxt, new_hidden
+        return drafts, n, nxt, new_hidden, logits
 
     def _draft(self, rows, cache, bonus, hidden, K: int, key):
         B = bonus.shape[0]
@@ -322,13 +447,15 @@ class SpeculativeDecoder:
                 out.append(logits[r])
                 continue
             positions = []
-            for i in range(logits.shape[1]):
+            # A row held to one token per round keeps no draft: only its first position counts,
+            # and stateful processors must not see drafts that will be thrown away.
+            for i in range(1 if row.one_token_per_round else logits.shape[1]):
                 value = logits[r, i][None]
                 history = history_at(r, i)
                 for processor in row.processors:
                     value = processor(history, value)
                 positions.append(value[0])
-            out.append(mx.stack(positions))
+            out.append(mx.concatenate([mx.stack(positions), logits[r, len(positions):]]))
         return mx.stack(out)
 
     def _target_distribution(self, rows, logits: mx.array) -> mx.array:

@@ -1,0 +1,91 @@
+"""Moving a request's K/V between mlx-lm's caches (a host's prefill, its prefix cache) and ours.
+
+In: an mlx-lm ``KVCache`` holds positions 0..offset-1 in order; a ``RotatingKVCache`` (keep=0)
+holds the latest ones in a ring, put back in time order by its own ``_temporal_order``.  Each kept
+position p lands in our slot p (full layers) or p mod capacity (sliding ring).
+
+Out: the committed positions of one row, as the caches mlx-lm's ``BatchGenerator`` would hold
+for the same tokens — so a host can store or reuse them as if plain decoding had made them.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from ..errors import MTPError
+from .cache import PositionalKVCache, tables_of
+
+
+def from_mlx_lm(target, layer_caches: list, slack: int) -> list[PositionalKVCache]:
+    """One request's mlx-lm caches -> a one-row cache list of ours with ``slack``."""
+    ours = target.make_cache(1, slack=slack)
+    if len(layer_caches) != len(ours):
+        raise MTPError(f"expected {len(ours)} layer caches, got {len(layer_caches)}")
+    ordered = [_time_ordered(c) for c in layer_caches]
+    for table in tables_of(ours):
+        members = [i for i, c in enumerate(ours) if c.table is table]
+        lengths = {ordered[i][2] for i in members}
+        if len(lengths) != 1:
+            raise MTPError(f"layer caches of one attention type disagree on length: {sorted(lengths)}")
+        length = lengths.pop()
+        held = min(ordered[members[0]][0].shape[2] if ordered[members[0]][0] is not None else 0, length)
+        if table.capacity is not None:
+            held = min(held, table.capacity)
+        positions = mx.arange(length - held, length, dtype=mx.int32)
+        size = length if table.capacity is None else table.capacity
+        slots = positions if table.capacity is None else mx.remainder(positions, table.capacity)
+        table.lengths = [length]
+        table.positions = mx.put_along_axis(mx.full((1, size), -1, dtype=mx.int32), slots[None], positions[None], axis=1)
+        for i in members:
+            keys, values, _ = ordered[i]
+            if held == 0:
+                continue
+            ours[i].keys = _placed(keys[..., keys.shape[2] - held :, :], slots, size)
+            ours[i].values = _placed(values[..., values.shape[2] - held :, :], slots, size)
+    return ours
+
+
+def to_mlx_lm(caches: list[PositionalKVCache], row: int = 0) -> list:
+    """Row ``row``'s committed positions -> mlx-lm KVCache / RotatingKVCache objects."""
+    out = []
+    for cache in caches:
+        table = cache.table
+        length = table.lengths[row]
+        if table.capacity is None:
+            layer = KVCache()
+            if length:  # attributes, not ``state``: its layout differs between mlx-lm releases
+                layer.keys, layer.values = cache.keys[row : row + 1, :, :length], cache.values[row : row + 1, :, :length]
+                layer.offset = length
+            out.append(layer)
+            continue
+        held = min(length, table.window)
+        slots = mx.remainder(mx.arange(length - held, length, dtype=mx.int32), table.capacity)
+        layer = RotatingKVCache(max_size=table.window, keep=0)
+        if held:  # in time order, oldest first: the next write (at _idx = held) rotates to slot 0
+            layer.keys, layer.values = cache.keys[row : row + 1, :, slots], cache.values[row : row + 1, :, slots]
+            layer.offset, layer._idx = length, held
+        out.append(layer)
+    return out
+
+
+def _time_ordered(layer):
+    """(keys, values, offset) with keys/values in time order, ending at position offset-1."""
+    if not isinstance(layer, (KVCache, RotatingKVCache)):
+        raise MTPError(f"cannot read K/V from a {type(layer).__name__}")
+    if layer.keys is None or layer.offset == 0:
+        return None, None, 0
+    if isinstance(layer, KVCache):
+        return layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :], layer.offset
+    if layer.keep:
+        raise MTPError("a RotatingKVCache with keep > 0 is not supported")
+    keys, values = layer._temporal_order(layer.keys), layer._temporal_order(layer.values)
+    held = min(keys.shape[2], layer.offset)
+    return keys[..., keys.shape[2] - held :, :], values[..., values.shape[2] - held :, :], layer.offset
+
+
+def _placed(x: mx.array, slots: mx.array, size: int) -> mx.array:
+    """x [1, H, n, D] written into a zero buffer of ``size`` slots at ``slots``."""
+    buffer = mx.zeros((*x.shape[:2], size, x.shape[3]), dtype=x.dtype)
+    buffer[:, :, slots] = x
+    return buffer

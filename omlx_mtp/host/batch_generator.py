@@ -1,0 +1,245 @@
+"""MTP rounds behind the part of mlx-lm's ``BatchGenerator`` API that oMLX's scheduler drives.
+
+The scheduler keeps doing what it does with plain decoding: prefill a request outside, then
+``insert`` it with its cache, per-request sampler, logits processors and stop-sequence machine;
+call ``next_generated()`` once per step; ``remove`` finished or aborted uids; ``extract_cache``.
+Here a step runs one speculative round for every running request, so a request may get several
+responses (tokens) from one step, each exactly what plain decoding would have produced.
+
+Requests keep their own acceptance and depth (``draft_tokens: auto`` falls back to plain rounds
+per request).  A request whose sampling this loop cannot reproduce as a distribution (no
+``sampling_params``, XTC) or whose logits processors keep state (``accept_token``: grammars)
+still runs here, one token per round, drawn by its own sampler.  A request whose cache cannot be
+read (another cache type) goes to the host's own plain ``BatchGenerator`` instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import deque
+from typing import Any
+
+import mlx.core as mx
+
+from ..decode.loop import DecodeStats, Request, SpeculativeDecoder
+from ..decode.mlx_lm_caches import from_mlx_lm, to_mlx_lm
+from ..decode.sampling import SamplingParams, log_softmax
+from ..errors import MTPError
+
+log = logging.getLogger("omlx_mtp")
+
+# mlx-lm's own pure processors (functions of tokens and logits only); others may keep state.
+_PURE_PROCESSOR_MODULES = ("mlx_lm.sample_utils", "omlx_mtp.")
+
+
+class MTPBatchGenerator:
+    wants_sampling_params = True  # the host may pass sampling_params=[...] to insert()
+
+    def __init__(self, decoder: SpeculativeDecoder, plain_factory, *, model=None, max_tokens: int = 128,
+                 stop_tokens=None, sampler=None, logits_processors=None, completion_batch_size: int = 32,
+                 **plain_kwargs):
+        from mlx_lm.generate import GenerationBatch
+
+        self.decoder = decoder
+        self.max_tokens = max_tokens
+        self.default_stops = [tuple(s) for s in (stop_tokens or [])]
+        self.default_processors = list(logits_processors or [])
+        self.completion_batch_size = completion_batch_size
+        self._plain_args = dict(model=model, max_tokens=max_tokens, stop_tokens=stop_tokens, sampler=sampler,
+                                logits_processors=logits_processors,
+                                completion_batch_size=completion_batch_size, **plain_kwargs)
+        self._plain_factory = plain_factory
+        self._plain = None  # the host's own BatchGenerator, made when a request needs it
+        self._to_plain: dict[int, int] = {}
+        self._from_plain: dict[int, int] = {}
+        self.batch = decoder.batch()
+        self._pending: deque = deque()
+        self._uid_count = 0
+        self._rows: dict[int, Any] = {}  # uid -> RowState of requests running here
+        self.totals = DecodeStats()  # all finished MTP requests together
+        self._response_type = GenerationBatch.Response
+        self._response_fields = {f.name for f in dataclasses.fields(GenerationBatch.Response)}
+
+    # -- BatchGenerator API --------------------------------------------------------------------
+    def insert(self, prompts, max_tokens=None, caches=None, all_tokens=None, samplers=None,
+               logits_processors=None, state_machines=None, stop_sequences=None, sampling_params=None):
+        uids = []
+        for i, prompt in enumerate(prompts):
+            stops = state_machines[i] if state_machines else stop_sequences[i] if stop_sequences else None
+            self._pending.append(_Pending(
+                uid=self._uid_count, prompt=list(prompt),
+                max_tokens=max_tokens[i] if max_tokens else self.max_tokens,
+                cache=caches[i] if caches else None,
+                all_tokens=list(all_tokens[i]) if all_tokens else [],
+                sampler=samplers[i] if samplers else None,
+                processors=list(logits_processors[i]) if logits_processors else list(self.default_processors),
+                stops=stops, params=sampling_params[i] if sampling_params else None))
+            uids.append(self._uid_count)
+            self._uid_count += 1
+        return uids
+
+    def next_generated(self) -> list:
+        responses = []
+        if self._to_plain:
+            for response in self._plain.next_generated():
+                response.uid = self._from_plain[response.uid]
+                responses.append(response)
+        if self.batch.rows:
+            rows = list(self.batch.rows)
+            for slot, (row, tokens) in enumerate(zip(rows, self.batch.round())):
+                responses += self._responses(row, tokens, self.batch.logits, slot)
+            self._retire([row for row in rows if row.finish_reason is not None])
+        while self._pending and len(self.batch.rows) < self.completion_batch_size:
+            responses += self._admit(self._pending.popleft())
+        return responses
+
+    def next(self):
+        return [], self.next_generated()
+
+    def remove(self, uids, return_prompt_caches=False):
+        uids = set(uids)
+        out = self.extract_cache(uids) if return_prompt_caches else {}
+        self._pending = deque(p for p in self._pending if p.uid not in uids)
+        self.batch.retire([self._rows.pop(uid) for uid in uids if uid in self._rows])
+        plain = [self._to_plain.pop(uid) for uid in uids if uid in self._to_plain]
+        if plain:
+            self._plain.remove(plain)
+            for uid in plain:
+                self._from_plain.pop(uid)
+        return out
+
+    def extract_cache(self, uids) -> dict:
+        """Caches of waiting and plain-run requests.  A request running MTP rounds is left out:
+        its cache sits at a round boundary, not at the token count a host would file it under,
+        and hosts read a missing entry as "no snapshot now"."""
+        out = {p.uid: (p.cache, p.all_tokens) for p in self._pending if p.uid in uids}
+        plain = [self._to_plain[uid] for uid in uids if uid in self._to_plain]
+        if plain:
+            for uid, value in self._plain.extract_cache(plain).items():
+                out[self._from_plain[uid]] = value
+        return out
+
+    def close(self):
+        if self._plain is not None:
+            self._plain.close()
+
+    # -- requests -------------------------------------------------------------------------------
+    def _admit(self, p: "_Pending") -> list:
+        decoder, batch = self.decoder, self.batch
+        try:
+            slack = decoder.prefill_slack(batch.max_depth + 1)
+            cache = from_mlx_lm(decoder.target, p.cache, slack) if p.cache else decoder.target.make_cache(1, slack)
+        except MTPError as exc:
+            log.info("omlx-mtp: request uid %d decodes plain: %s", p.uid, exc)
+            return self._insert_plain(p)
+        params, sampler = _distribution(p.params, p.sampler)
+        row = batch.new_row(Request(p.all_tokens + p.prompt, params, p.max_tokens), sampler=sampler,
+                            matcher=_matcher(p.stops, self.default_stops),
+                            stateful=[q for q in p.processors if not _is_pure(q)])
+        row.processors = p.processors
+        row.uid = p.uid
+        cache, hidden, logits = decoder._prefill_one(p.prompt, batch.max_depth + 1, cache=cache)
+        tokens = batch.start([row], cache, hidden, logits)[0]
+        out = self._responses(row, tokens, batch.first_logits, 0)
+        if row.finish_reason is None:
+            self._rows[p.uid] = row
+        else:  # done at its first token: it never joined the batch
+            first = mx.array([row.generated[0] if row.generated else row.stop_token])
+            self._attach_cache(out[-1], row, decoder.cache_at(cache, first, row.cache_length))
+        return out
+
+    def _insert_plain(self, p: "_Pending") -> list:
+        if self._plain is None:
+            self._plain = self._plain_factory(**self._plain_args)
+        kwargs = dict(max_tokens=[p.max_tokens], caches=[p.cache] if p.cache else None, all_tokens=[p.all_tokens],
+                      samplers=[p.sampler], logits_processors=[p.processors])
+        if p.stops is not None:
+            kwargs["state_machines" if hasattr(p.stops, "make_state") else "stop_sequences"] = [p.stops]
+        (plain_uid,) = self._plain.insert([p.prompt], **kwargs)
+        self._to_plain[p.uid], self._from_plain[plain_uid] = plain_uid, p.uid
+        return []
+
+    def _retire(self, rows) -> None:
+        for row in rows:
+            self._rows.pop(row.uid, None)
+        self.batch.retire(rows)
+
+    def _responses(self, row, tokens: list[int], logits, slot: int) -> list:
+        emitted = list(tokens) + ([row.stop_token] if row.stop_token is not None else [])
+        out = [self._response(row.uid, token, log_softmax(logits[slot, i]), None) for i, token in enumerate(emitted)]
+        if row.finish_reason is not None and out:
+            out[-1].finish_reason = row.finish_reason
+            if row in self.batch.rows:
+                self._attach_cache(out[-1], row, self.batch.final_cache(row))
+        return out
+
+    def _attach_cache(self, response, row, cache) -> None:
+        response.prompt_cache = to_mlx_lm(cache)
+        self.totals = DecodeStats.pooled([self.totals, row.stats])
+        if "all_tokens" in self._response_fields:
+            response.all_tokens = list(row.request.prompt) + row.generated + (
+                [row.stop_token] if row.stop_token is not None else [])
+        log.info("omlx-mtp: request uid %d finished (%s): %d tokens in %d rounds, %d of %d drafts accepted",
+                 row.uid, row.finish_reason, len(row.generated), row.stats.rounds, row.stats.accepted,
+                 row.stats.drafted)
+
+    def _response(self, uid, token, logprobs, finish_reason):
+        values = dict(uid=uid, token=token, logprobs=logprobs, finish_reason=finish_reason, prompt_cache=None,
+                      all_tokens=None, current_state=None, match_sequence=None)
+        return self._response_type(**{k: v for k, v in values.items() if k in self._response_fields})
+
+
+@dataclasses.dataclass
+class _Pending:
+    uid: int
+    prompt: list
+    max_tokens: int
+    cache: Any
+    all_tokens: list
+    sampler: Any
+    processors: list
+    stops: Any
+    params: Any
+
+
+def _distribution(host_params, sampler):
+    """(our SamplingParams, None) when the host's sampling parameters name a distribution this
+    loop can rebuild (temperature, top-p, min-p, top-k); else (greedy placeholder, the sampler)."""
+    if host_params is None or getattr(host_params, "xtc_probability", 0.0) > 0:
+        return SamplingParams(), sampler
+    params = SamplingParams(temperature=float(host_params.temperature or 0.0),
+                            top_p=float(getattr(host_params, "top_p", 0.0) or 0.0),
+                            top_k=int(getattr(host_params, "top_k", 0) or 0),
+                            min_p=float(getattr(host_params, "min_p", 0.0) or 0.0))
+    return params, None
+
+
+def _is_pure(processor) -> bool:
+    module = getattr(processor, "__module__", "") or ""
+    return not hasattr(processor, "accept_token") and module.startswith(_PURE_PROCESSOR_MODULES)
+
+
+def _matcher(stops, default_stops):
+    """token -> True when a stop sequence just completed, for either mlx-lm's
+    SequenceStateMachine (0.31) or StopSequences (0.32), or a list of token sequences."""
+    if stops is None:
+        sequences = [list(s) for s in default_stops]
+        tail: list[int] = []
+        longest = max((len(s) for s in sequences), default=0)
+
+        def matches(token: int) -> bool:
+            tail.append(token)
+            del tail[:-longest or None]
+            return any(tail[len(tail) - len(s):] == s for s in sequences if len(s) <= len(tail))
+
+        return matches
+    if hasattr(stops, "make_state"):
+        state = [stops.make_state()]
+
+        def matches(token: int) -> bool:
+            state[0], sequence, current = stops.match(state[0], token)
+            return sequence is not None and current is None
+
+        return matches
+    return stops.matcher().advance

@@ -35,8 +35,9 @@ def omlx_model_settings_schema() -> dict:
 
 
 @hookspec(firstresult=True)
-def omlx_model_settings(model_id: str, model_path: str | None) -> dict | None:
-    """This plugin's validated settings for a model (e.g. from YAML), or None."""
+def omlx_model_settings(model_id: str, model_path: str | None, base_path: str | None) -> dict | None:
+    """This plugin's validated settings for a model (e.g. from YAML under the host's base path;
+    None: the plugin's default), or None."""
 
 
 @hookspec(firstresult=True)
@@ -47,4 +48,6 @@ def omlx_load_drafter(model_id: str, model_path: str, model, settings: dict):
 
 @hookspec(firstresult=True)
 def omlx_decode_strategy(model_id: str, model, drafter, settings: dict):
-    """A decode strategy object for this model (see ``omlx_mtp.strategy``), or None for plain decoding."""
+    """A decode strategy for this model, or None for plain decoding.  A strategy has a ``name``
+    and ``batch_generator(plain_factory, **batch_generator_kwargs)`` returning an object with
+    the host's BatchGenerator API (see ``omlx_mtp.strategy.MTPStrategy``)."""

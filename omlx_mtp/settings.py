@@ -130,15 +130,17 @@ def _file_name(model_id: str) -> str:
     return model_id.replace("/", "--") + ".yaml"
 
 
-def settings_files(model_id: str) -> list[Path]:
-    """The files that apply to a model, lowest precedence first."""
-    candidates = [PRESET_DIR / _file_name(model_id), base_path() / "model_settings" / _file_name(model_id)]
+def settings_files(model_id: str, base: str | Path | None = None) -> list[Path]:
+    """The files that apply to a model, lowest precedence first; ``base`` overrides the base path
+    (a host passes its own, e.g. oMLX's --base-path)."""
+    base = Path(base) if base is not None else base_path()
+    candidates = [PRESET_DIR / _file_name(model_id), base / "model_settings" / _file_name(model_id)]
     return [p for p in candidates if p.is_file()]
 
 
-def resolve(model_id: str) -> tuple[MTPSettings, list[Path]]:
+def resolve(model_id: str, base: str | Path | None = None) -> tuple[MTPSettings, list[Path]]:
     merged: dict = {}
-    files = settings_files(model_id)
+    files = settings_files(model_id, base)
     for path in files:
         merged.update(load_file(path))
     return validate(merged, " + ".join(str(p) for p in files) or model_id), files

@@ -23,6 +23,18 @@ class MTPStrategy:
                                      min_acceptance=settings.mtp_min_acceptance)
         return cls("omlx-mtp", decoder, settings)
 
+    def describe(self) -> str:
+        s = self.settings
+        depth = f"auto up to {s.mtp_max_draft_tokens}" if s.mtp_draft_tokens == "auto" else s.mtp_draft_tokens
+        return f"draft tokens {depth}, query at {s.mtp_query_position}"
+
+    def batch_generator(self, plain_factory, **kwargs):
+        """A BatchGenerator for the host's scheduler that runs MTP rounds (``plain_factory`` and
+        ``kwargs``: the host's own BatchGenerator and its arguments, for requests MTP can't run)."""
+        from .host.batch_generator import MTPBatchGenerator
+
+        return MTPBatchGenerator(self.decoder, plain_factory, **kwargs)
+
     def stream(self, requests, seed=None):
         """Yield (rows, new tokens per row) for a batch of ``decode.loop.Request``s."""
         return self.decoder.stream(requests, seed=seed)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from functools import lru_cache
+from pathlib import Path
 
 log = logging.getLogger("omlx_mtp.host")
 
@@ -41,3 +42,48 @@ def preserving_sanitizer(sanitize, config: dict):
         return out
 
     return sanitize_keeping
+
+
+def attach_decode_strategy(scheduler, model, model_path: str, model_id: str | None = None):
+    """At engine start: the plugins' settings, drafter and decode strategy for this model, handed
+    to the scheduler.  Whatever goes wrong is logged and the model serves with plain decoding."""
+    model_id = model_id or Path(str(model_path)).name
+    hook = plugin_manager().hook
+    try:
+        settings = hook.omlx_model_settings(model_id=model_id, model_path=str(model_path), base_path=_base_path())
+        if not settings:
+            return None
+        drafter = hook.omlx_load_drafter(model_id=model_id, model_path=str(model_path), model=model,
+                                         settings=settings)
+        strategy = hook.omlx_decode_strategy(model_id=model_id, model=model, drafter=drafter, settings=settings)
+    except Exception as exc:  # a plugin must never keep a model from serving
+        log.warning("omlx-mtp: %s decodes plain: %s: %s", model_id, type(exc).__name__, exc)
+        return None
+    scheduler.decode_strategy = strategy
+    scheduler.batch_generator = None  # the next request makes one through the strategy
+    if strategy is not None:
+        describe = getattr(strategy, "describe", lambda: "")()
+        log.info("omlx-mtp: %s decodes with %s (%s)", model_id, strategy.name, describe)
+    return strategy
+
+
+def batch_generator(scheduler, factory, **kwargs):
+    """For the scheduler's _create_batch_generator: the strategy's generator, or ``factory``'s."""
+    strategy = getattr(scheduler, "decode_strategy", None)
+    if strategy is not None:
+        try:
+            return strategy.batch_generator(factory, **kwargs)
+        except Exception as exc:
+            log.warning("omlx-mtp: %s failed to start (%s: %s); decoding plain", strategy.name,
+                        type(exc).__name__, exc)
+    return factory(**kwargs)
+
+
+def _base_path() -> str | None:
+    """oMLX's base path (its --base-path) when oMLX's settings are initialised."""
+    try:
+        from omlx.settings import get_settings
+
+        return str(get_settings().base_path)
+    except Exception:  # not running inside oMLX, or settings not initialised yet
+        return None

@@ -1,0 +1,154 @@
+"""oMLX 0.3.8 serving a merged MTP checkpoint, end to end over HTTP.
+
+A copy of the tree at OMLX_SRC is patched; ``omlx serve`` gets a model directory with the demo
+pair merged by ``omlx-mtp quantize --assistant`` twice: ``demo-mtp`` (YAML ``mtp_enabled: true``)
+and ``demo-plain`` (no YAML).  At temperature 0 both must return the same text — streaming and
+not, several requests at once, prompts longer than the sliding window, prefix-cache hits."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from omlx_mtp.cli import main
+from omlx_mtp.demo import demo_pair
+from omlx_mtp.patcher import run
+
+from .test_omlx_patch import SOURCE, runs_omlx
+
+httpx = pytest.importorskip("httpx")
+pytestmark = [
+    pytest.mark.skipif(not SOURCE or not (Path(SOURCE) / "omlx" / "_version.py").is_file(),
+                       reason="OMLX_SRC does not point at an oMLX 0.3.8 tree"),
+    runs_omlx,
+]
+
+PROMPTS = ["def parse_args(argv):", "class Queue:", "import os\nimport sys\n", "    return self"]
+LONG = "Summarise this module:\n" + "".join(f"def handler_{i}(request):\n    return request.get({i})\n\n"
+                                           for i in range(40))  # several times the 128-token window
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    tree = root / "omlx-tree"
+    shutil.copytree(SOURCE, tree, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".git"))
+    run("apply", tree)
+    base = root / "base"
+    target, assistant, _ = demo_pair(root / "pair")
+    models = base / "models"
+    assert main(["quantize", str(target), str(models / "demo-mtp"), "--assistant", str(assistant),
+                 "--bits", "8", "--dtype", "float32"]) == 0
+    shutil.copytree(models / "demo-mtp", models / "demo-plain")
+    (base / "model_settings").mkdir()
+    (base / "model_settings" / "demo-mtp.yaml").write_text("mtp_enabled: true\nmtp_draft_tokens: 3\n")
+    shutil.copytree(models / "demo-mtp", models / "demo-bad")  # names a drafter that is not there
+    (base / "model_settings" / "demo-bad.yaml").write_text(f"mtp_enabled: true\nmtp_drafter: {root / 'missing'}\n")
+    port = _free_port()
+    log_path = root / "server.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "omlx.cli", "serve", "--model-dir", str(models), "--host", "127.0.0.1",
+             "--port", str(port), "--base-path", str(base)],
+            env={**os.environ, "PYTHONPATH": str(tree)}, stdout=log_file, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(240):
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            time.sleep(0.5)
+        yield url, log_path
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def chat(url, model, content, stream=False, max_tokens=160):
+    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": stream}
+    if not stream:
+        reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600).json()
+        return reply["choices"][0]["message"]["content"], reply["usage"]
+    text = ""
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line[6:] != "[DONE]":
+                chunk = json.loads(line[6:])
+                if chunk.get("choices"):
+                    text += chunk["choices"][0]["delta"].get("content") or ""
+    return text, None
+
+
+def mtp_lines(log_path: Path) -> list[str]:
+    return [line for line in log_path.read_text().splitlines() if "omlx-mtp: request uid" in line]
+
+
+def test_mtp_equals_plain_streaming_and_not(server):
+    url, log_path = server
+    for stream in (False, True):
+        for prompt in PROMPTS + [LONG]:
+            assert chat(url, "demo-mtp", prompt, stream)[0] == chat(url, "demo-plain", prompt, stream)[0]
+    text = log_path.read_text()
+    assert "demo-mtp decodes with omlx-mtp" in text
+    assert "demo-plain decodes with" not in text
+    # Every MTP request drafted, and drafts were accepted.
+    lines = mtp_lines(log_path)
+    assert len(lines) == 2 * len(PROMPTS + [LONG])
+    assert all(" 0 of " not in line and "drafts accepted" in line for line in lines)
+
+
+def test_concurrent_requests_all_run_mtp(server):
+    url, log_path = server
+    expected = [chat(url, "demo-plain", p)[0] for p in PROMPTS]
+    before = len(mtp_lines(log_path))
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda p: chat(url, "demo-mtp", p)[0], PROMPTS))
+    assert got == expected
+    assert len(mtp_lines(log_path)) - before == 4
+
+
+def test_prefix_cache_hit_keeps_output(server):
+    url, _ = server
+    first, _ = chat(url, "demo-mtp", LONG + "\n# again")
+    second, usage = chat(url, "demo-mtp", LONG + "\n# again")
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 0
+    assert first == second == chat(url, "demo-plain", LONG + "\n# again")[0]
+
+
+def test_omlx_own_tests_pass_on_patched_tree(tmp_path):
+    tree = tmp_path / "omlx-tree"
+    shutil.copytree(SOURCE, tree, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".git"))
+    run("apply", tree)
+    files = ["tests/test_oq.py", "tests/test_model_settings.py", "tests/test_model_settings_profiles.py",
+             "tests/test_scheduler.py", "tests/test_scheduler_logits_processors.py"]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files], cwd=tree,
+                          env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    print(proc.stdout.strip().splitlines()[-1])
+
+
+def test_missing_drafter_serves_plain_and_says_why(server):
+    url, log_path = server
+    assert chat(url, "demo-bad", PROMPTS[0])[0] == chat(url, "demo-plain", PROMPTS[0])[0]
+    text = log_path.read_text()
+    assert "MTP disabled for demo-bad" in text and "missing" in text
+    assert "demo-bad decodes with" not in text

@@ -78,7 +78,7 @@ def speedup_bound(tokens_per_round: float, K: int, costs: dict, draft_ms: float)
 
 
 def benchmark(session: Session, prompts: list[list[int]], draft_tokens: list, max_tokens: int = 128,
-              repeats: int = 3, temps=(0.0,), say=print) -> list[dict]:
+              repeats: int = 3, temps=(0.0,), say=print, batches=(1,)) -> list[dict]:
     results = []
     stop = session.stop_tokens()
     continuation = {}
@@ -88,8 +88,88 @@ def benchmark(session: Session, prompts: list[list[int]], draft_tokens: list, ma
     for temp in temps:
         requests = [Request(p, SamplingParams(temperature=temp), max_tokens, stop) for p in prompts]
         for K in draft_tokens:
-            results += _bench_depth(session, requests, K, temp, continuation, repeats, say)
+            for batch in batches:
+                if batch == 1:
+                    results += _bench_depth(session, requests, K, temp, continuation, repeats, say)
+                else:
+                    rows = [requests[i % len(requests)] for i in range(batch)]
+                    results += _bench_batch(session, rows, K, temp, continuation, repeats, say)
     return results
+
+
+def _bench_batch(session, requests, K, temp, continuation, repeats, say) -> list[dict]:
+    """Several requests at once, the way a server runs them: mlx-lm's own BatchGenerator (plain)
+    against MTP behind the same API (omlx_mtp.host.batch_generator).  Prefill included in both."""
+    import importlib
+
+    from .host.batch_generator import MTPBatchGenerator
+
+    mlx_generate = importlib.import_module("mlx_lm.generate")
+    stops = [[t] for t in session.stop_tokens()] or None
+    oracle = SpeculativeDecoder(session.target, OracleDrafter(continuation, session.target.vocab_size), draft_tokens=K)
+
+    def plain():
+        return mlx_generate.BatchGenerator(session.model, stop_tokens=stops, completion_batch_size=len(requests))
+
+    def mtp(decoder):
+        def make():
+            return MTPBatchGenerator(decoder.__class__(decoder.target, decoder.drafter, draft_tokens=K,
+                                                       query_offset=decoder.query_offset,
+                                                       max_draft_tokens=decoder.max_draft_tokens),
+                                     mlx_generate.BatchGenerator, model=session.model, stop_tokens=stops,
+                                     completion_batch_size=len(requests))
+        return make
+
+    factories = {"plain": plain, "mtp": mtp(session.decoder), "oracle": mtp(oracle)}
+    speeds = {name: [] for name in factories}
+    outputs, stats = {}, {}
+    for repeat in range(repeats + 1):  # the first pass warms up
+        for name, factory in factories.items():
+            mx.random.seed(repeat)
+            tokens, seconds, generator = _drive(factory(), requests)
+            if repeat:
+                speeds[name].append(sum(len(t) for t in tokens) / seconds)
+            outputs[name] = tokens
+            if isinstance(generator, MTPBatchGenerator):
+                stats[name] = generator.totals
+        if temp == 0:
+            assert outputs["mtp"] == outputs["plain"] == outputs["oracle"], "greedy MTP left plain decoding"
+    plain_tps = statistics.median(speeds["plain"])
+    results = []
+    for name, values in speeds.items():
+        tps = statistics.median(values)
+        entry = {"engine": name, "temp": temp, "draft_tokens": K if name != "plain" else 0, "batch": len(requests),
+                 "tokens_per_second": tps, "speedup_vs_plain": tps / plain_tps}
+        if name in stats:
+            entry.update(acceptance_rate=stats[name].acceptance_rate, tokens_per_round=stats[name].tokens_per_round)
+        results.append(entry)
+        say(_row(entry))
+    return results
+
+
+def _drive(generator, requests):
+    """All requests inserted at once, stepped to the end: (tokens per request, seconds, generator)."""
+    from .host.batch_generator import MTPBatchGenerator
+
+    kwargs = dict(max_tokens=[r.max_tokens for r in requests])
+    if isinstance(generator, MTPBatchGenerator):
+        kwargs["sampling_params"] = [r.params for r in requests]
+    else:
+        kwargs["samplers"] = [r.params.mlx_sampler() for r in requests]
+    start = time.perf_counter()
+    uids = generator.insert([list(r.prompt) for r in requests], **kwargs)
+    tokens = {uid: [] for uid in uids}
+    done = set()
+    while len(done) < len(uids):
+        for response in generator.next_generated():
+            if response.finish_reason == "stop":
+                done.add(response.uid)
+                continue
+            tokens[response.uid].append(response.token)
+            if response.finish_reason is not None:
+                done.add(response.uid)
+    seconds = time.perf_counter() - start
+    return [tokens[u] for u in uids], seconds, generator
 
 
 def _bench_depth(session, requests, K, temp, continuation, repeats, say) -> list[dict]:
@@ -129,7 +209,8 @@ def _bench_depth(session, requests, K, temp, continuation, repeats, say) -> list
 
 
 def _row(e: dict) -> str:
-    line = (f"{e['engine']:<7} T={e['temp']:<4} K={e['draft_tokens']!s:<4} {e['tokens_per_second']:8.1f} tok/s"
+    line = (f"{e['engine']:<7} T={e['temp']:<4} K={e['draft_tokens']!s:<4} B={e['batch']:<2} "
+            f"{e['tokens_per_second']:8.1f} tok/s"
             f"  x{e['speedup_vs_plain']:.2f}")
     if "acceptance_rate" in e:
         line += f"  accept {e['acceptance_rate']:.0%}  {e['tokens_per_round']:.2f} tok/round"
@@ -166,7 +247,7 @@ def query_position_acceptance(session: Session, prompts, K: int, max_tokens: int
 
 def run_bench(model=None, drafter=None, draft_tokens=(1, 2, 3, 4), max_tokens=128, repeats=3,
               prompt_tokens=64, json_out=None, compare_query_positions=False, synthetic=None,
-              synthetic_layers=2, dtype="bfloat16", temps=(0.0,)) -> int:
+              synthetic_layers=2, dtype="bfloat16", temps=(0.0,), batches=(1,), plot=None) -> int:
     from .demo import demo_pair
 
     if synthetic is not None:
@@ -185,11 +266,47 @@ def run_bench(model=None, drafter=None, draft_tokens=(1, 2, 3, 4), max_tokens=12
     print(f"omlx-mtp bench — {label}")
     print(f"regime: {regime()}, dtype {session.target.dtype}")
     prompts = bench_prompts(session, prompt_tokens)
-    results = benchmark(session, prompts, list(draft_tokens), max_tokens=max_tokens, repeats=repeats, temps=temps)
+    results = benchmark(session, prompts, list(draft_tokens), max_tokens=max_tokens, repeats=repeats, temps=temps,
+                        batches=batches)
     if compare_query_positions:
         fixed = [k for k in draft_tokens if k != "auto"] or [3]
         results += query_position_acceptance(session, prompts, max(fixed), max_tokens)
     if json_out:
         Path(json_out).write_text(json.dumps({"regime": regime(), "model": label, "results": results}, indent=2))
         print(f"wrote {json_out}")
+    if plot:
+        plot_speedups(results, plot, f"{label}\n{regime()}")
+        print(f"wrote {plot}")
     return 0
+
+
+def plot_speedups(results: list[dict], path, title: str) -> None:
+    """Speedup over plain against draft tokens, one line per (engine, temperature, batch)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        from .errors import MTPError
+
+        raise MTPError("bench --plot needs matplotlib: pip install 'omlx-mtp[plot]'") from None
+    lines: dict = {}
+    for e in results:
+        if e["engine"] != "plain" and isinstance(e["draft_tokens"], int) and "query_position" not in e:
+            lines.setdefault((e["engine"], e["temp"], e["batch"]), []).append((e["draft_tokens"], e["speedup_vs_plain"]))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (engine, temp, batch), points in sorted(lines.items()):
+        points.sort()
+        ax.plot([k for k, _ in points], [v for _, v in points], marker="o",
+                linestyle="-" if engine == "mtp" else "--", label=f"{engine} T={temp} batch {batch}")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xlabel("draft tokens per round")
+    ax.set_ylabel("speedup over plain decoding")
+    import textwrap
+
+    ax.set_title("\n".join(textwrap.fill(line, 90) for line in title.splitlines()), fontsize=8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

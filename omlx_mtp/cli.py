@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--json", dest="json_out", help="write results to this JSON file")
     bench.add_argument("--temps", default="0", help="comma-separated temperatures, e.g. 0,0.7,1.0")
+    bench.add_argument("--batch", default="1", help="comma-separated batch sizes (requests decoding together)")
+    bench.add_argument("--plot", help="write a PNG of speedup against draft tokens (needs matplotlib)")
     bench.add_argument("--synthetic", help="an in-memory model at real widths, random weights: gemma4-31b-shaped")
     bench.add_argument("--synthetic-layers", type=int, default=2)
     bench.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
@@ -170,9 +172,14 @@ def cmd_bench(args) -> int:
         temps = [float(t) for t in args.temps.split(",")]
     except ValueError:
         raise MTPError(f"--temps: expected comma-separated numbers, got {args.temps!r}") from None
+    try:
+        batches = [int(b) for b in args.batch.split(",")]
+        assert all(b >= 1 for b in batches)
+    except (ValueError, AssertionError):
+        raise MTPError(f"--batch: expected comma-separated positive integers, got {args.batch!r}") from None
     return run_bench(args.model, args.drafter, depths, args.max_tokens, args.repeats, args.prompt_tokens,
                      args.json_out, args.compare_query_positions, args.synthetic, args.synthetic_layers, args.dtype,
-                     temps)
+                     temps, batches, args.plot)
 
 
 def cmd_quantize(args) -> int:

@@ -53,3 +53,15 @@ def test_auto_depth_is_lossless(pair_31b, error_rate):
         assert row.generated == references[tuple(prompt)]
     if error_rate == 1.0:  # drafts never right: most rounds are plain ones
         assert sum(r.stats.drafted for r in rows) < sum(r.stats.rounds for r in rows)
+
+
+def test_fixed_depth_falls_back_below_min_acceptance_and_reprobes():
+    controller = DepthController(max_depth=3, min_acceptance=0.3, probe_every=4, fixed=True)
+    assert controller.choose() == 3
+    for _ in range(6):  # every draft rejected
+        controller.observe(3, [0], 0.01)
+    chosen = [controller.choose() for _ in range(8)]
+    assert chosen[:3] == [0, 0, 0] and chosen[3] == 3  # plain rounds, then a probe at the fixed depth
+    for _ in range(20):  # the text became predictable
+        controller.observe(3, [3], 0.01)
+    assert controller.choose() == 3

@@ -26,6 +26,7 @@ class DepthController:
     smoothing: float = 0.2  # for round times
     decay: float = 0.97  # for acceptance counts (an effective window of ~30 drafts)
     margin: float = 1.03  # drafting must promise 3% over plain decoding
+    fixed: bool = False  # a fixed depth: always max_depth, except plain rounds below min_acceptance
     times: dict = field(default_factory=dict)  # depth -> EMA seconds per round
     _successes: float = 0.0
     _trials: float = 0.0
@@ -57,6 +58,11 @@ class DepthController:
     def choose(self) -> int:
         if self.max_depth == 0:
             return 0
+        if self.fixed:
+            if self.times and self.acceptance < self.min_acceptance:
+                return self._plain_or_probe(self.max_depth)
+            self._plain_rounds, self._wait = 0, 0
+            return self.max_depth
         if not self.times:
             return min(self.start_depth, self.max_depth)
         if self.acceptance < self.min_acceptance:
@@ -69,13 +75,13 @@ class DepthController:
         self._plain_rounds, self._wait = 0, 0
         return best
 
-    def _plain_or_probe(self) -> int:
+    def _plain_or_probe(self, probe_depth: int = 1) -> int:
         self._wait = self._wait or self.probe_every
         self._plain_rounds += 1
         if self._plain_rounds >= self._wait:
             self._plain_rounds = 0
             self._wait = min(2 * self._wait, self.max_probe_every)
-            return 1
+            return probe_depth
         return 0
 
     def observe(self, k: int, accepted: list[int], seconds: float) -> None:

@@ -135,7 +135,10 @@ class LiveBatch:
         self.logits = None  # processed verify logits of the last round [B, K+1, V] (for logprobs)
 
     def new_row(self, request: Request, **extra) -> RowState:
-        controller = DepthController(self.max_depth, self.decoder.min_acceptance) if self.auto else None
+        controller = None
+        if self.max_depth and (self.auto or self.decoder.min_acceptance > 0):
+            # auto: depth per round; a fixed depth: only the fall back to plain below min_acceptance
+            controller = DepthController(self.max_depth, self.decoder.min_acceptance, fixed=not self.auto)
         history = mx.array(list(request.prompt), dtype=mx.int32)
         return RowState(request, request.params.processors(), history, controller=controller, **extra)
 

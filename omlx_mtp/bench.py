@@ -111,16 +111,18 @@ def _bench_batch(session, requests, K, temp, continuation, repeats, say) -> list
     def plain():
         return mlx_generate.BatchGenerator(session.model, stop_tokens=stops, completion_batch_size=len(requests))
 
+    # One decoder per engine for all repeats, so its compiled draft steps are reused as a server's are.
+    assistant = SpeculativeDecoder(session.target, session.drafter, draft_tokens=K,
+                                   query_offset=session.decoder.query_offset,
+                                   max_draft_tokens=session.decoder.max_draft_tokens)
+
     def mtp(decoder):
         def make():
-            return MTPBatchGenerator(decoder.__class__(decoder.target, decoder.drafter, draft_tokens=K,
-                                                       query_offset=decoder.query_offset,
-                                                       max_draft_tokens=decoder.max_draft_tokens),
-                                     mlx_generate.BatchGenerator, model=session.model, stop_tokens=stops,
+            return MTPBatchGenerator(decoder, mlx_generate.BatchGenerator, model=session.model, stop_tokens=stops,
                                      completion_batch_size=len(requests))
         return make
 
-    factories = {"plain": plain, "mtp": mtp(session.decoder), "oracle": mtp(oracle)}
+    factories = {"plain": plain, "mtp": mtp(assistant), "oracle": mtp(oracle)}
     speeds = {name: [] for name in factories}
     outputs, stats = {}, {}
     for repeat in range(repeats + 1):  # the first pass warms up

@@ -10,7 +10,7 @@ from .drafters import load_drafter, load_merged_drafter
 from .errors import MTPError
 from .hookspecs import hookimpl
 from .mtp_tensors import is_mtp_tensor
-from .settings import DESCRIPTIONS, MTPSettings, load_file, resolve, validate
+from .settings import DESCRIPTIONS, MTPSettings, file_values, validate
 from .strategy import MTPStrategy
 
 log = logging.getLogger("omlx_mtp")
@@ -40,10 +40,8 @@ def omlx_model_settings_schema() -> dict:
 @hookimpl
 def omlx_model_settings(model_id: str, model_path: str | None, base_path: str | None = None):
     try:
-        _, files = resolve(model_id, base_path)  # validates the files together
-        merged: dict = {}
-        for path in files:
-            merged.update(load_file(path))
+        merged, files = file_values(model_id, base_path)
+        validate(merged, " + ".join(str(p) for p in files) or model_id)  # the files together
     except MTPError as exc:
         log.warning("MTP settings for %s ignored: %s", model_id, exc)
         return None

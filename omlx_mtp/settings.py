@@ -138,9 +138,15 @@ def settings_files(model_id: str, base: str | Path | None = None) -> list[Path]:
     return [p for p in candidates if p.is_file()]
 
 
-def resolve(model_id: str, base: str | Path | None = None) -> tuple[MTPSettings, list[Path]]:
+def file_values(model_id: str, base: str | Path | None = None) -> tuple[dict, list[Path]]:
+    """The keys the model's files set (later files win), each file validated, and the files."""
     merged: dict = {}
     files = settings_files(model_id, base)
     for path in files:
         merged.update(load_file(path))
+    return merged, files
+
+
+def resolve(model_id: str, base: str | Path | None = None) -> tuple[MTPSettings, list[Path]]:
+    merged, files = file_values(model_id, base)
     return validate(merged, " + ".join(str(p) for p in files) or model_id), files

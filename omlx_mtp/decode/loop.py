@@ -74,8 +74,8 @@ class RowState:
     known here (the row then takes one token per round, drawn by that sampler); ``stateful``:
     logits processors that may keep state (grammars follow the emitted tokens through
     ``accept_token``), which must not see drafts, so they likewise hold the row to one token
-    per round; ``matcher``: token -> True when a stop
-    sequence completed (default: the request's stop tokens)."""
+    per round; ``matcher``: token -> True when a stop sequence completed (default: the
+    request's stop tokens)."""
 
     request: Request
     processors: list
@@ -133,14 +133,18 @@ class LiveBatch:
         self.rows: list[RowState] = []
         self.cache = self.bonus = self.hidden = None
         self.logits = None  # processed verify logits of the last round [B, K+1, V] (for logprobs)
+        self.first_logits = None  # processed logits of the last rows started [B, 1, V]
 
-    def new_row(self, request: Request, **extra) -> RowState:
+    def new_row(self, request: Request, processors: list | None = None, **extra) -> RowState:
+        """A row for ``request``; processors default to those its sampling parameters make."""
         controller = None
         if self.max_depth and (self.auto or self.decoder.min_acceptance > 0):
             # auto: depth per round; a fixed depth: only the fall back to plain below min_acceptance
             controller = DepthController(self.max_depth, self.decoder.min_acceptance, fixed=not self.auto)
         history = mx.array(list(request.prompt), dtype=mx.int32)
-        return RowState(request, request.params.processors(), history, controller=controller, **extra)
+        if processors is None:
+            processors = request.params.processors()
+        return RowState(request, processors, history, controller=controller, **extra)
 
     def _split_key(self):
         self.key, sub = mx.random.split(self.key)
@@ -196,13 +200,13 @@ class LiveBatch:
         started = time.perf_counter()
         drafts, n, bonus, hidden, self.logits = self.decoder._round(
             rows, self.cache, self.bonus, self.hidden, K, self._split_key(), caps)
-        drafts_host, n_host = drafts.tolist(), n.tolist()
+        drafts_host, n_host, bonus_host = drafts.tolist(), n.tolist(), bonus.tolist()
         seconds = time.perf_counter() - started
         new, lengths = [], []
         for slot, row in enumerate(rows):
             if row.controller is not None:
                 row.controller.observe(caps[slot], [n_host[slot]], seconds)
-            kept = drafts_host[slot][: n_host[slot]] + [bonus[slot].item()]
+            kept = drafts_host[slot][: n_host[slot]] + [bonus_host[slot]]
             row.stats.rounds += 1
             row.stats.drafted += caps[slot]
             row.stats.accepted += n_host[slot]

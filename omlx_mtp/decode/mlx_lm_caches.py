@@ -29,7 +29,8 @@ def from_mlx_lm(target, layer_caches: list, slack: int) -> list[PositionalKVCach
         if len(lengths) != 1:
             raise MTPError(f"layer caches of one attention type disagree on length: {sorted(lengths)}")
         length = lengths.pop()
-        held = min(ordered[members[0]][0].shape[2] if ordered[members[0]][0] is not None else 0, length)
+        keys = ordered[members[0]][0]
+        held = 0 if keys is None else keys.shape[2]  # <= length: _time_ordered keeps no more
         if table.capacity is not None:
             held = min(held, table.capacity)
         positions = mx.arange(length - held, length, dtype=mx.int32)

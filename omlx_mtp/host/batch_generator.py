@@ -134,10 +134,9 @@ class MTPBatchGenerator:
             log.info("omlx-mtp: request uid %d decodes plain: %s", p.uid, exc)
             return self._insert_plain(p)
         params, sampler = _distribution(p.params, p.sampler)
-        row = batch.new_row(Request(p.all_tokens + p.prompt, params, p.max_tokens), sampler=sampler,
+        row = batch.new_row(Request(p.all_tokens + p.prompt, params, p.max_tokens), p.processors, sampler=sampler,
                             matcher=_matcher(p.stops, self.default_stops),
                             stateful=[q for q in p.processors if not _is_pure(q)])
-        row.processors = p.processors
         row.uid = p.uid
         cache, hidden, logits = decoder._prefill_one(p.prompt, batch.max_depth + 1, cache=cache)
         tokens = batch.start([row], cache, hidden, logits)[0]

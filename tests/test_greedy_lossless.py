@@ -99,3 +99,23 @@ def test_long_prompt_chunked_prefill(pair, length):
     assert row.generated == expected
     assistant = SpeculativeDecoder(pair.target, pair.drafter, draft_tokens=2).generate([Request(prompt, max_tokens=40)])
     assert assistant[0].generated == expected
+
+
+@pytest.mark.parametrize("max_tokens", [1, 6, 29])
+def test_plain_stretches_match_plain_decoding(pair, references, max_tokens):
+    """No drafter: every round is a pipelined stretch of plain steps.  A repetition penalty (the
+    history grows on the device inside a stretch), stop tokens found after the stretch, and
+    max_tokens that is no multiple of the stretch length must all end like mlx-lm's loop."""
+    from omlx_mtp.decode.sampling import SamplingParams
+
+    continuations = references[pair.spec.layout]
+    decoder = SpeculativeDecoder(pair.target, None)
+    params = SamplingParams(repetition_penalty=1.5, repetition_context_size=8)
+    batch = list(continuations)[:4]
+    stops = [frozenset({continuations[p][9]}) if i % 2 else frozenset() for i, p in enumerate(batch)]
+    requests = [Request(list(p), params, max_tokens, stop) for p, stop in zip(batch, stops)]
+    rows = decoder.generate(requests)
+    for request, row in zip(requests, rows):
+        plain = run_plain(pair.model, request).row
+        assert row.generated == plain.generated and row.finish_reason == plain.finish_reason
+        assert row.stats.drafted == 0

@@ -97,12 +97,13 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("drafter_kind", ["assistant", "mixture"])
+@pytest.mark.parametrize("drafter_kind", ["assistant", "mixture", "none"])
 @pytest.mark.parametrize("params", CASES, ids=["T1", "T0.7", "T1-top_p", "T0.7-top_p-rep"])
 def test_mtp_sampling_matches_exact_distribution(small, params, drafter_kind):
     model, target, assistant = small
     joint = exact_joint(model, params)
-    drafter = assistant if drafter_kind == "assistant" else MixtureDrafter(joint)
+    # "none": no drafter, so every round is a pipelined stretch of plain steps
+    drafter = {"assistant": assistant, "mixture": MixtureDrafter(joint), "none": None}[drafter_kind]
     decoder = SpeculativeDecoder(target, drafter, draft_tokens=2)
     rows = decoder.generate([Request(PROMPT, params, max_tokens=STEPS) for _ in range(ROWS)], seed=1234)
     samples = np.array([r.generated for r in rows])
@@ -111,8 +112,10 @@ def test_mtp_sampling_matches_exact_distribution(small, params, drafter_kind):
     accepted = sum(r.stats.accepted for r in rows)
     if drafter_kind == "mixture":
         assert 0.3 < accepted / drafted < 0.95, "both acceptances and rejections must be in the sample"
-    else:
+    elif drafter_kind == "assistant":
         assert accepted > 0
+    else:
+        assert drafted == 0
     axes = tuple(range(STEPS))
     for position in range(STEPS):
         marginal = joint.sum(axis=tuple(a for a in axes if a != position))

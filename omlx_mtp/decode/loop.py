@@ -89,6 +89,7 @@ class RowState:
     matcher: Callable[[int], bool] | None = None
     stop_token: int | None = None  # the token that ended the row ("stop"); not in ``generated``
     prompt_length: int = 0  # tokens in the target cache before the first generated one
+    pending_depth: int | None = None  # a depth the controller chose during a plain stretch
 
     @property
     def cache_length(self) -> int:
@@ -122,7 +123,14 @@ class RowState:
 
 class LiveBatch:
     """The rows decoding together.  Rows join (prefilled) and leave at round boundaries; each
-    round drafts to the deepest depth any row asked for, and each row keeps at most its own."""
+    round drafts to the deepest depth any row asked for, and each row keeps at most its own.
+
+    When no row drafts, a round is a short stretch of plain steps pipelined as mlx-lm's own loop
+    is: each step's graph is built while the previous one computes, with no host sync between
+    them (positions advance by one per step, so the caches need no host knowledge), and stop
+    tokens are found on the host afterwards."""
+
+    max_plain_stretch = 4  # plain steps per round: pipelining gain vs. a host's step latency
 
     def __init__(self, decoder: "SpeculativeDecoder", draft_tokens: int | str, seed: int | None = None):
         self.decoder = decoder
@@ -189,13 +197,22 @@ class LiveBatch:
         self.bonus, self.hidden, self.cache = _select(keep, len(self.rows), self.bonus, self.hidden, self.cache)
         self.rows = [self.rows[i] for i in keep]
 
+    def _wanted(self, row: RowState) -> int:
+        if row.one_token_per_round:
+            return 0
+        if row.pending_depth is not None:
+            depth, row.pending_depth = row.pending_depth, None
+            return depth
+        return row.controller.choose() if row.controller is not None else self.max_depth
+
     def round(self) -> list[list[int]]:
         """One round for every row; returns the tokens each row emitted (in ``self.rows`` order)."""
         rows = self.rows
-        wanted = [0 if row.one_token_per_round else
-                  (row.controller.choose() if row.controller is not None else self.max_depth) for row in rows]
+        wanted = [self._wanted(row) for row in rows]
         remaining = max(row.request.max_tokens - len(row.generated) for row in rows)
         K = max(0, min(max(wanted), self.max_depth, remaining - 1))
+        if K == 0 and not any(row.stateful for row in rows):
+            return self._plain_stretch(min(self.max_plain_stretch, remaining))
         caps = [min(w, K) for w in wanted]
         started = time.perf_counter()
         drafts, n, bonus, hidden, self.logits = self.decoder._round(
@@ -219,6 +236,50 @@ class LiveBatch:
         caches.commit(self.cache, lengths)
         self.bonus, self.hidden = bonus, hidden
         return new
+
+    def _plain_stretch(self, limit: int) -> list[list[int]]:
+        """Up to ``limit`` plain steps without a host sync; stops early when a row's controller
+        wants to draft again (that depth is kept for the next round)."""
+        rows, decoder = self.rows, self.decoder
+        started = time.perf_counter()
+        steps, bonus, hidden = [], self.bonus, self.hidden
+        while True:
+            logits, hidden = decoder.target.forward(bonus[:, None], self.cache)
+            caches.advance(self.cache, 1)
+            logits = decoder._process(rows, logits, lambda r, i: rows[r].history)
+            bonus = decoder._sample_rows(rows, logits[:, 0], self._split_key())
+            mx.async_eval(bonus, hidden)
+            steps.append((bonus, logits))
+            for r, row in enumerate(rows):
+                if row.processors:
+                    row.history = mx.concatenate([row.history, bonus[r : r + 1]])
+            if len(steps) == limit or not self._still_plain(rows):
+                break
+        tokens = mx.stack([b for b, _ in steps], axis=1).tolist()
+        self.logits = mx.concatenate([l for _, l in steps], axis=1)
+        seconds = (time.perf_counter() - started) / len(steps)
+        new = []
+        for row, row_tokens in zip(rows, tokens):
+            if row.controller is not None:
+                for _ in steps:
+                    row.controller.observe(0, [0], seconds)
+            emitted = row.emit(row_tokens)
+            row.stats.rounds += len(steps)
+            row.stats.emitted += len(emitted)
+            new.append(emitted)
+        self.bonus, self.hidden = bonus, hidden
+        return new
+
+    @staticmethod
+    def _still_plain(rows: list[RowState]) -> bool:
+        """Ask each row's controller for its next depth; any wish to draft ends the stretch."""
+        go_on = True
+        for row in rows:
+            if row.controller is not None and row.pending_depth is None:
+                depth = row.controller.choose()
+                if depth:
+                    row.pending_depth, go_on = depth, False
+        return go_on
 
     def final_cache(self, row: RowState) -> list:
         """A one-row copy of the row's cache holding exactly its prompt and every token it

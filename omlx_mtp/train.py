@@ -280,3 +280,20 @@ def build_pair(out: Path, spec: PairSpec, target_steps: int, drafter_steps: int,
     train_drafter(drafter, target, tokens, drafter_steps, batch, spec.seq_len, lr=3e-3, log=log)
     save_checkpoint(drafter, drafter_config, assistant_dir)
     return target_dir, assistant_dir
+
+
+def distill_assistant(target_dir: Path, out: Path, spec: PairSpec, steps: int, batch: int = 16, log=print) -> Path:
+    """A fresh assistant distilled from an already trained target checkpoint (the tokenizer is the
+    target's); the same corpus and drafter training as build_pair."""
+    from .models import load_target
+
+    model, tokenizer, config = load_target(target_dir)
+    corpus = stdlib_corpus(spec.corpus_bytes)
+    tokens = np.array(tokenizer.encode(corpus), dtype=np.int32)
+    target = Gemma4Target(model)
+    drafter_config = assistant_config(spec, config)
+    drafter = Gemma4AssistantDrafter(normalize_assistant_config(drafter_config, "assistant"))
+    init_small(drafter, seed=1)
+    train_drafter(drafter, target, tokens, steps, batch, spec.seq_len, lr=3e-3, log=log)
+    save_checkpoint(drafter, drafter_config, Path(out))
+    return Path(out)

@@ -78,7 +78,8 @@ def speedup_bound(tokens_per_round: float, K: int, costs: dict, draft_ms: float)
 
 
 def benchmark(session: Session, prompts: list[list[int]], draft_tokens: list, max_tokens: int = 128,
-              repeats: int = 3, temps=(0.0,), say=print, batches=(1,)) -> list[dict]:
+              repeats: int = 3, temps=(0.0,), say=print, batches=(1,), peer=None) -> list[dict]:
+    """``peer``: a loaded mlx-vlm pair (``omlx_mtp.peer``) to run beside ours at batch 1, fixed depths."""
     results = []
     stop = session.stop_tokens()
     continuation = {}
@@ -90,11 +91,30 @@ def benchmark(session: Session, prompts: list[list[int]], draft_tokens: list, ma
         for K in draft_tokens:
             for batch in batches:
                 if batch == 1:
-                    results += _bench_depth(session, requests, K, temp, continuation, repeats, say)
+                    results += _bench_depth(session, requests, K, temp, continuation, repeats, say,
+                                            peer if K != "auto" else None)
                 else:
                     rows = [requests[i % len(requests)] for i in range(batch)]
                     results += _bench_batch(session, rows, K, temp, continuation, repeats, say)
     return results
+
+
+PEER = "mlx-vlm"
+
+
+def _run_peer(peer, request, temp, K, seed) -> dict:
+    from .peer import peer_generate
+
+    return peer_generate(peer, list(request.prompt), request.max_tokens, temp, K, seed,
+                         stop_tokens=request.stop_tokens)
+
+
+def _peer_rates(runs: list[dict]) -> dict:
+    """mlx-vlm's acceptance and tokens per round over all its runs, counted like DecodeStats.pooled."""
+    stats = DecodeStats(rounds=sum(r["rounds"] for r in runs), drafted=sum(r["drafted"] for r in runs),
+                        accepted=sum(r["accepted"] for r in runs),
+                        emitted=sum(len(r["tokens"]) - 1 for r in runs if r["rounds"]))
+    return {"acceptance_rate": stats.acceptance_rate, "tokens_per_round": stats.tokens_per_round}
 
 
 def _bench_batch(session, requests, K, temp, continuation, repeats, say) -> list[dict]:
@@ -174,12 +194,16 @@ def _drive(generator, requests):
     return [tokens[u] for u in uids], seconds, generator
 
 
-def _bench_depth(session, requests, K, temp, continuation, repeats, say) -> list[dict]:
+def _bench_depth(session, requests, K, temp, continuation, repeats, say, peer=None) -> list[dict]:
     oracle = SpeculativeDecoder(session.target, OracleDrafter(continuation, session.target.vocab_size), draft_tokens=K)
     engines = {"plain": [], "mtp": [], "oracle": []}
     stats = {"mtp": [], "oracle": []}
+    if peer is not None:
+        engines[PEER], peer_stats = [], []
     for request in requests:
         run_mtp(session.decoder, request, seed=0, draft_tokens=K)  # warm-up at this depth
+        if peer is not None:
+            _run_peer(peer, request, temp, K, seed=0)
         for repeat in range(repeats):
             plain = run_plain(session.model, request, seed=repeat)
             engines["plain"].append(plain.tokens_per_second)
@@ -189,6 +213,12 @@ def _bench_depth(session, requests, K, temp, continuation, repeats, say) -> list
                     assert out.row.generated == plain.row.generated, "greedy MTP left plain decoding"
                 engines[name].append(out.tokens_per_second)
                 stats[name].append(out.row.stats)
+            if peer is not None:
+                out = _run_peer(peer, request, temp, K, seed=repeat)
+                if temp == 0:
+                    assert out["tokens"] == plain.row.generated, "greedy mlx-vlm MTP left plain decoding"
+                engines[PEER].append((len(out["tokens"]) - 1) / out["seconds"] if out["seconds"] > 0 else 0.0)
+                peer_stats.append(out)
     plain_tps = statistics.median(engines["plain"])
     costs = component_costs(session, list(requests[0].prompt), K) if K != "auto" else {}
     costs["decode_ms"] = 1000 / plain_tps  # t_decode is a plain mlx-lm step
@@ -197,6 +227,8 @@ def _bench_depth(session, requests, K, temp, continuation, repeats, say) -> list
         tps = statistics.median(values)
         entry = {"engine": name, "temp": temp, "draft_tokens": K if name != "plain" else 0, "batch": 1,
                  "tokens_per_second": tps, "speedup_vs_plain": tps / plain_tps}
+        if name == PEER:
+            entry.update(_peer_rates(peer_stats))
         if name in stats:
             pooled = DecodeStats.pooled(stats[name])
             entry.update(acceptance_rate=pooled.acceptance_rate, tokens_per_round=pooled.tokens_per_round)
@@ -250,26 +282,40 @@ def query_position_acceptance(session: Session, prompts, K: int, max_tokens: int
 def run_bench(model=None, drafter=None, draft_tokens=(1, 2, 3, 4), max_tokens=128, repeats=3,
               prompt_tokens=64, json_out=None, compare_query_positions=False, synthetic=None,
               synthetic_layers=2, dtype="bfloat16", temps=(0.0,), batches=(1,), plot=None) -> int:
-    from .demo import demo_pair
+    if plot:
+        _pyplot()  # refuse before a long run, not after it
+    with tempfile.TemporaryDirectory(prefix="omlx-mtp-bench-") as tmp:
+        return _run_bench(Path(tmp), model, drafter, draft_tokens, max_tokens, repeats, prompt_tokens, json_out,
+                          compare_query_positions, synthetic, synthetic_layers, dtype, temps, batches, plot)
 
+
+def _run_bench(tmp: Path, model, drafter, draft_tokens, max_tokens, repeats, prompt_tokens, json_out,
+               compare_query_positions, synthetic, synthetic_layers, dtype, temps, batches, plot) -> int:
+    from .demo import demo_pair
+    from .peer import peer_available, prepare_peer
+
+    peer, peer_note = None, peer_available()
     if synthetic is not None:
         from .synthetic import synthetic_pair
 
         target, assistant = synthetic_pair(synthetic, synthetic_layers, dtype)
         session = Session(target, None, assistant)
         label = f"{synthetic} ({synthetic_layers} target layers, random weights, {dtype})"
+        peer_note = peer_note or "a synthetic pair has no checkpoint for mlx-vlm to load"
     else:
-        with tempfile.TemporaryDirectory(prefix="omlx-mtp-bench-") as tmp:
-            if model is None:
-                model, drafter, label = demo_pair(Path(tmp))
-            else:
-                label = f"{model} + {drafter}"
-            session = Session.load(model, drafter)
+        if model is None:
+            model, drafter, label = demo_pair(tmp / "pair")
+        else:
+            label = f"{model} + {drafter}"
+        session = Session.load(model, drafter)
+        if peer_note is None:
+            peer = prepare_peer(model, drafter, tmp / "peer")
     print(f"omlx-mtp bench — {label}")
     print(f"regime: {regime()}, dtype {session.target.dtype}")
+    print(f"mlx-vlm MTP: {'mlx-vlm ' + peer.version if peer is not None else 'not run: ' + peer_note}")
     prompts = bench_prompts(session, prompt_tokens)
     results = benchmark(session, prompts, list(draft_tokens), max_tokens=max_tokens, repeats=repeats, temps=temps,
-                        batches=batches)
+                        batches=batches, peer=peer)
     if compare_query_positions:
         fixed = [k for k in draft_tokens if k != "auto"] or [3]
         results += query_position_acceptance(session, prompts, max(fixed), max_tokens)
@@ -282,8 +328,7 @@ def run_bench(model=None, drafter=None, draft_tokens=(1, 2, 3, 4), max_tokens=12
     return 0
 
 
-def plot_speedups(results: list[dict], path, title: str) -> None:
-    """Speedup over plain against draft tokens, one line per (engine, temperature, batch)."""
+def _pyplot():
     try:
         import matplotlib
 
@@ -293,6 +338,12 @@ def plot_speedups(results: list[dict], path, title: str) -> None:
         from .errors import MTPError
 
         raise MTPError("bench --plot needs matplotlib: pip install 'omlx-mtp[plot]'") from None
+    return plt
+
+
+def plot_speedups(results: list[dict], path, title: str) -> None:
+    """Speedup over plain against draft tokens, one line per (engine, temperature, batch)."""
+    plt = _pyplot()
     lines: dict = {}
     for e in results:
         if e["engine"] != "plain" and isinstance(e["draft_tokens"], int) and "query_position" not in e:

@@ -50,17 +50,28 @@ class SlotTable:
         key = (L, current, tuple(self.lengths))
         if self._plan is not None and self._plan[0] == key:
             return self._plan[1]
-        new_positions = mx.array(self.lengths, dtype=mx.int32)[:, None] + mx.arange(L, dtype=mx.int32)[None]
-        if self.capacity is None:
-            slots = new_positions
-        else:
-            if L > self.capacity - self.window:
-                raise ValueError(f"a forward of {L} tokens needs slack >= {L} in a sliding cache")
-            slots = mx.remainder(new_positions, self.capacity)
+        if self.capacity is not None and L > self.capacity - self.window:
+            raise ValueError(f"a forward of {L} tokens needs slack >= {L} in a sliding cache")
         positions = _pad_axis(self.positions, self.size_for(L, current), 1, -1)
-        positions = mx.put_along_axis(positions, slots, new_positions, axis=1)
+        start = self.contiguous_start(L)
+        if start is not None:  # every row writes the same run of slots: a slice, few ops per step
+            n = self.lengths[0]
+            slots = mx.broadcast_to(mx.arange(start, start + L, dtype=mx.int32), (len(self.lengths), L))
+            positions[:, start : start + L] = mx.arange(n, n + L, dtype=mx.int32)
+        else:
+            new_positions = mx.array(self.lengths, dtype=mx.int32)[:, None] + mx.arange(L, dtype=mx.int32)[None]
+            slots = new_positions if self.capacity is None else mx.remainder(new_positions, self.capacity)
+            positions = mx.put_along_axis(positions, slots, new_positions, axis=1)
         self._plan = (key, (slots, positions))
         return slots, positions
+
+    def contiguous_start(self, L: int) -> int | None:
+        """The first slot a forward of L tokens writes when all rows write the same contiguous
+        slots (equal lengths, no wrap inside the write); None otherwise."""
+        if not self.uniform:
+            return None
+        start = self.lengths[0] if self.capacity is None else self.lengths[0] % self.capacity
+        return start if self.capacity is None or start + L <= self.capacity else None
 
     def fetch_size(self, L: int, current: int) -> int:
         """How many slots attention reads after a forward of L tokens: just the written prefix
@@ -255,11 +266,10 @@ def select_rows(caches: list[PositionalKVCache], rows: list[int]) -> list[Positi
 def _scatter_rows(buffer: mx.array, slots: mx.array, new: mx.array, table: SlotTable):
     """Write new[:, :, i] into buffer[:, :, slots[:, i]], each row at its own slots."""
     L = new.shape[2]
-    if table.uniform:
-        start = table.lengths[0] if table.capacity is None else table.lengths[0] % table.capacity
-        if table.capacity is None or start + L <= table.capacity:
-            buffer[:, :, start : start + L] = new
-            return buffer
+    start = table.contiguous_start(L)
+    if start is not None:
+        buffer[:, :, start : start + L] = new
+        return buffer
     index = mx.broadcast_to(slots[:, None, :, None], new.shape)
     return mx.put_along_axis(buffer, index, new, axis=2)
 

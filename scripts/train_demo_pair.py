@@ -18,8 +18,8 @@ DEFAULT_OUT = Path(__file__).resolve().parent.parent / "omlx_mtp" / "demo_pair"
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out", nargs="?", default=str(DEFAULT_OUT))
-parser.add_argument("--target-steps", type=int, default=1200)
-parser.add_argument("--drafter-steps", type=int, default=600)
+parser.add_argument("--target-steps", type=int, default=800)
+parser.add_argument("--drafter-steps", type=int, default=1200)
 parser.add_argument("--batch", type=int, default=16)
 parser.add_argument("--assistant-only", action="store_true", help="keep OUT's target, distill a new assistant")
 args = parser.parse_args()

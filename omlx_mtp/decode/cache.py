@@ -37,12 +37,17 @@ class SlotTable:
     def offset(self):
         return self.lengths[0] if self.uniform else mx.array(self.lengths, dtype=mx.int32)
 
-    def size_for(self, L: int, current: int) -> int:
-        """Slots a buffer needs before a forward of L tokens."""
+    def size_for(self, L: int, current: int, geometric: bool = False) -> int:
+        """Slots a buffer needs before a forward of L tokens.  ``geometric``: grow by a quarter at
+        least, so that a compiled forward (traced again per buffer size) rarely sees a new one."""
         if self.capacity is not None:
             return self.capacity
         needed = max(self.lengths) + L
-        return current if needed <= current else ((needed + _GROW - 1) // _GROW) * _GROW
+        if needed <= current:
+            return current
+        if geometric:
+            needed = max(needed, current + current // 4)
+        return ((needed + _GROW - 1) // _GROW) * _GROW
 
     def plan(self, L: int, current: int):
         """(slots written, positions after the write) for a forward of L tokens — computed once
@@ -87,12 +92,18 @@ class SlotTable:
         if prefix and not as_array and (window is None or size <= window):
             return None if N == 1 else "causal"
         _, positions = self.plan(N, current)
+        return self.mask_over(positions, N, size, window)
+
+    def mask_over(self, positions: mx.array, N: int, size: int, window: int | None = None) -> mx.array:
+        """[B, 1, N, size] boolean mask of a forward of N tokens over the first ``size`` slots,
+        given the slots' positions after its write (``plan``)."""
+        window = window or self.window
         query = mx.array(self.lengths, dtype=mx.int32)[:, None, None] + mx.arange(N, dtype=mx.int32)[None, :, None]
         key = positions[:, None, :size]
         mask = (key >= 0) & (key <= query)
         if window is not None:
             mask = mask & (key > query - window)
-        return mask[:, None]  # [B, 1, N, S]
+        return mask[:, None]
 
     def commit(self, lengths: list[int]):
         """Keep positions < lengths[r] in row r; everything written beyond becomes invisible."""

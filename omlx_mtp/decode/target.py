@@ -11,10 +11,12 @@ from mlx_lm.models import gemma4_text
 
 from ..gemma4_config import SLIDING
 from .cache import PositionalKVCache, make_caches
+from .compiled_forward import CompiledForward
 
 
 class Gemma4Target:
-    def __init__(self, model):
+    def __init__(self, model, compiled: bool = True):
+        """compiled: run short forwards on this package's caches as one compiled graph."""
         self.model = model
         self.text = getattr(model, "language_model", model)
         if not isinstance(self.text, gemma4_text.Model):
@@ -29,6 +31,7 @@ class Gemma4Target:
         self.num_cached_layers = self.args.num_hidden_layers - self.args.num_kv_shared_layers
         # The drafter reads, per layer type, the last target layer of that type that owns K/V.
         self.kv_owner = {t: i for i, t in enumerate(self.layer_types[: self.num_cached_layers])}
+        self.compiled = CompiledForward(self) if compiled else None
 
     @property
     def dtype(self):
@@ -40,6 +43,8 @@ class Gemma4Target:
 
     def forward(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array]:
         """tokens [B, L] -> (logits [B, L, V], final-normed hidden [B, L, H])."""
+        if self.compiled is not None and self.compiled.accepts(tokens, cache):
+            return self.compiled(tokens, cache)
         hidden = self.body(tokens, cache=cache)
         return self.head(hidden), hidden
 

@@ -1,0 +1,105 @@
+"""The target's short forwards (a verify of K+1 positions, a plain step) as one compiled graph.
+
+A decode forward of a small or mid-sized model is mostly op dispatch: dozens of small ops per
+layer.  ``mx.compile`` fuses the element-wise ones, which makes such a forward about a third
+cheaper on CPU.  A compiled graph bakes in every Python value it saw while tracing, so what
+changes between rounds goes in as arrays of fixed shape: the positions (rope offsets), the slots
+each row writes and an attention mask over the whole K/V buffer.  The graph is traced again only
+when a shape changes: another number of positions (depth), another batch size, or a full-attention
+buffer growing (rarely: buffers grow geometrically on this path).
+
+mlx-lm's own Gemma 4 layers run inside unchanged; they see ``_TracedSlots`` as their cache.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from functools import partial
+
+import mlx.core as mx
+
+from .cache import PositionalKVCache, _pad_axis, tables_of
+
+
+class _TracedSlots:
+    """mlx-lm's cache protocol inside the traced graph: K/V buffers of fixed size, new K/V
+    scattered to given slots, the mask and positions handed in."""
+
+    def __init__(self, keys, values, slots, mask, offset):
+        self.keys, self.values = keys, values
+        self.slots, self.mask, self.offset = slots, mask, offset
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        return self.mask
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        index = self.slots[:, None, :, None]
+        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(index, keys.shape), keys, axis=2)
+        self.values = mx.put_along_axis(self.values, mx.broadcast_to(index, values.shape), values, axis=2)
+        return self.keys, self.values
+
+
+class CompiledForward:
+    """``forward(tokens, cache)`` for the target, compiled; same results as the plain call."""
+
+    max_positions = 16  # longer forwards (prefill chunks) run uncompiled: one trace per length
+    max_traces = 24  # traces kept (per shape: batch, positions, buffer sizes); the oldest go first
+
+    def __init__(self, target):
+        self.target = target
+        self._traces: OrderedDict = OrderedDict()
+        self._layout = None  # per cache layer: index of its SlotTable in the argument list
+
+    def accepts(self, tokens: mx.array, cache: list) -> bool:
+        return (
+            tokens.shape[1] <= self.max_positions
+            and all(isinstance(c, PositionalKVCache) and not c.empty() for c in cache)
+        )
+
+    def __call__(self, tokens: mx.array, cache: list[PositionalKVCache]):
+        L = tokens.shape[1]
+        tables = tables_of(cache)
+        table_index = {id(t): i for i, t in enumerate(tables)}
+        self._layout = [table_index[id(c.table)] for c in cache]
+        per_table = []
+        for table in tables:
+            current = next(c._size() for c in cache if c.table is table)
+            size = table.size_for(L, current, geometric=True)
+            slots, positions = table.plan(L, size)
+            per_table += [slots, table.mask_over(positions, L, size)]
+            table.positions = positions
+            for c in cache:
+                if c.table is table and current < size:
+                    c.keys, c.values = _pad_axis(c.keys, size, 2, 0), _pad_axis(c.values, size, 2, 0)
+        offsets = mx.array(cache[0].lengths, dtype=mx.int32)
+        buffers = [a for c in cache for a in (c.keys, c.values)]
+        logits, hidden, *buffers = self._trace_for(tokens, buffers)(tokens, offsets, *per_table, *buffers)
+        for i, c in enumerate(cache):
+            c.keys, c.values = buffers[2 * i], buffers[2 * i + 1]
+        return logits, hidden
+
+    def _trace_for(self, tokens: mx.array, buffers: list):
+        """One compiled function per input shape, so that a long-running server, whose batch
+        sizes and buffer sizes come and go, holds a bounded number of traces (a dropped
+        compiled function releases its trace)."""
+        key = (tokens.shape, tuple(b.shape[2] for b in buffers[::2]))
+        fn = self._traces.pop(key, None)
+        if fn is None:
+            fn = mx.compile(partial(self._graph))
+            while len(self._traces) >= self.max_traces:
+                self._traces.popitem(last=False)
+        self._traces[key] = fn
+        return fn
+
+    def _graph(self, tokens, offsets, *arrays):
+        n_tables = 1 + max(self._layout)
+        per_table, buffers = arrays[: 2 * n_tables], arrays[2 * n_tables :]
+        shims = []
+        for layer, t in enumerate(self._layout):
+            slots, mask = per_table[2 * t], per_table[2 * t + 1]
+            shims.append(_TracedSlots(buffers[2 * layer], buffers[2 * layer + 1], slots, mask, offsets))
+        hidden = self.target.body(tokens, cache=shims)
+        out = [self.target.head(hidden), hidden]
+        for shim in shims:
+            out += [shim.keys, shim.values]
+        return out

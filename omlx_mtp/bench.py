@@ -56,18 +56,13 @@ def component_costs(session: Session, prompt: list[int], K: int) -> dict:
         return run
 
     costs = {"verify_ms": _median_ms(forward(K + 1))}
-    drafter = session.drafter
-    if drafter is not None and hasattr(drafter, "visible_span"):
-        kinds = sorted(set(drafter.layer_types))
-        kv = {k: target.kv_source(cache, k).state for k in kinds}
-        masks = {k: target.kv_source(cache, k).table.visible(drafter.visible_span(k, target.sliding_window))[:, None, None]
-                 for k in kinds}
-        token = mx.zeros((1, 1), dtype=mx.int32)
-        h_prev = hidden[:, -1:]
+    decoder = session.decoder
+    if session.drafter is not None and hasattr(session.drafter, "visible_span"):
+        position, context = decoder.draft_context(cache)
+        token, h_prev = mx.zeros((1, 1), dtype=mx.int32), hidden[:, -1:]
 
-        def draft():
-            logits, h = drafter(target.input_embedding(token), h_prev, kv, masks, length)
-            mx.eval(mx.argmax(logits, axis=-1), h)
+        def draft():  # one greedy draft step, compiled as the loop runs it
+            mx.eval(*decoder._greedy_step(token, h_prev, position, *context))
 
         costs["draft_ms"] = _median_ms(draft)
     return costs
@@ -100,6 +95,7 @@ def benchmark(session: Session, prompts: list[list[int]], draft_tokens: list, ma
 
 
 PEER = "mlx-vlm"
+NO_DRAFT = "no-draft"
 
 
 def _run_peer(peer, request, temp, K, seed) -> dict:
@@ -142,7 +138,8 @@ def _bench_batch(session, requests, K, temp, continuation, repeats, say) -> list
                                      completion_batch_size=len(requests))
         return make
 
-    factories = {"plain": plain, "mtp": mtp(assistant), "oracle": mtp(oracle)}
+    no_draft = SpeculativeDecoder(session.target, None, draft_tokens=0)
+    factories = {"plain": plain, NO_DRAFT: mtp(no_draft), "mtp": mtp(assistant), "oracle": mtp(oracle)}
     speeds = {name: [] for name in factories}
     outputs, stats = {}, {}
     for repeat in range(repeats + 1):  # the first pass warms up
@@ -155,14 +152,15 @@ def _bench_batch(session, requests, K, temp, continuation, repeats, say) -> list
             if isinstance(generator, MTPBatchGenerator):
                 stats[name] = generator.totals
         if temp == 0:
-            assert outputs["mtp"] == outputs["plain"] == outputs["oracle"], "greedy MTP left plain decoding"
+            assert all(out == outputs["plain"] for out in outputs.values()), "greedy MTP left plain decoding"
     plain_tps = statistics.median(speeds["plain"])
     results = []
     for name, values in speeds.items():
         tps = statistics.median(values)
-        entry = {"engine": name, "temp": temp, "draft_tokens": K if name != "plain" else 0, "batch": len(requests),
+        entry = {"engine": name, "temp": temp, "draft_tokens": 0 if name in ("plain", NO_DRAFT) else K,
+                 "batch": len(requests),
                  "tokens_per_second": tps, "speedup_vs_plain": tps / plain_tps}
-        if name in stats:
+        if name in stats and name != NO_DRAFT:
             entry.update(acceptance_rate=stats[name].acceptance_rate, tokens_per_round=stats[name].tokens_per_round)
         results.append(entry)
         say(_row(entry))
@@ -196,7 +194,9 @@ def _drive(generator, requests):
 
 def _bench_depth(session, requests, K, temp, continuation, repeats, say, peer=None) -> list[dict]:
     oracle = SpeculativeDecoder(session.target, OracleDrafter(continuation, session.target.vocab_size), draft_tokens=K)
-    engines = {"plain": [], "mtp": [], "oracle": []}
+    # "no-draft": this package's own loop with no drafts (compiled forward, pipelined plain steps),
+    # which tells the gain of compiling apart from the gain of drafting.
+    engines = {"plain": [], NO_DRAFT: [], "mtp": [], "oracle": []}
     stats = {"mtp": [], "oracle": []}
     if peer is not None:
         engines[PEER], peer_stats = [], []
@@ -207,12 +207,14 @@ def _bench_depth(session, requests, K, temp, continuation, repeats, say, peer=No
         for repeat in range(repeats):
             plain = run_plain(session.model, request, seed=repeat)
             engines["plain"].append(plain.tokens_per_second)
-            for name, decoder in (("mtp", session.decoder), ("oracle", oracle)):
-                out = run_mtp(decoder, request, seed=repeat, draft_tokens=K)
+            for name, decoder, depth in ((NO_DRAFT, session.decoder, 0), ("mtp", session.decoder, K),
+                                         ("oracle", oracle, K)):
+                out = run_mtp(decoder, request, seed=repeat, draft_tokens=depth)
                 if temp == 0:
-                    assert out.row.generated == plain.row.generated, "greedy MTP left plain decoding"
+                    assert out.row.generated == plain.row.generated, f"greedy {name} left plain decoding"
                 engines[name].append(out.tokens_per_second)
-                stats[name].append(out.row.stats)
+                if name in stats:
+                    stats[name].append(out.row.stats)
             if peer is not None:
                 out = _run_peer(peer, request, temp, K, seed=repeat)
                 if temp == 0:
@@ -225,7 +227,7 @@ def _bench_depth(session, requests, K, temp, continuation, repeats, say, peer=No
     results = []
     for name, values in engines.items():
         tps = statistics.median(values)
-        entry = {"engine": name, "temp": temp, "draft_tokens": K if name != "plain" else 0, "batch": 1,
+        entry = {"engine": name, "temp": temp, "draft_tokens": 0 if name in ("plain", NO_DRAFT) else K, "batch": 1,
                  "tokens_per_second": tps, "speedup_vs_plain": tps / plain_tps}
         if name == PEER:
             entry.update(_peer_rates(peer_stats))
@@ -243,7 +245,7 @@ def _bench_depth(session, requests, K, temp, continuation, repeats, say, peer=No
 
 
 def _row(e: dict) -> str:
-    line = (f"{e['engine']:<7} T={e['temp']:<4} K={e['draft_tokens']!s:<4} B={e['batch']:<2} "
+    line = (f"{e['engine']:<8} T={e['temp']:<4} K={e['draft_tokens']!s:<4} B={e['batch']:<2} "
             f"{e['tokens_per_second']:8.1f} tok/s"
             f"  x{e['speedup_vs_plain']:.2f}")
     if "acceptance_rate" in e:
@@ -346,7 +348,7 @@ def plot_speedups(results: list[dict], path, title: str) -> None:
     plt = _pyplot()
     lines: dict = {}
     for e in results:
-        if e["engine"] != "plain" and isinstance(e["draft_tokens"], int) and "query_position" not in e:
+        if e["engine"] not in ("plain", NO_DRAFT) and isinstance(e["draft_tokens"], int) and "query_position" not in e:
             lines.setdefault((e["engine"], e["temp"], e["batch"]), []).append((e["draft_tokens"], e["speedup_vs_plain"]))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for (engine, temp, batch), points in sorted(lines.items()):

@@ -159,10 +159,11 @@ def test_bench_json(pair_31b, tmp_path, capsys):
                  "--json", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
     peer = peer_available() is None  # mlx-vlm's MTP joins at fixed depths when it is installed
-    assert len(results) == 2 * 2 * 3 + (2 if peer else 0)  # temps x depths x engines (plain, mtp, oracle)
+    # temps x depths x engines (plain, no-draft, mtp, oracle)
+    assert len(results) == 2 * 2 * 4 + (2 if peer else 0)
     for entry in results:
         assert {"engine", "temp", "draft_tokens", "batch", "tokens_per_second", "speedup_vs_plain"} <= set(entry)
-        if entry["engine"] != "plain":
+        if entry["engine"] not in ("plain", "no-draft"):
             assert {"acceptance_rate", "tokens_per_round"} <= set(entry)
 
 
@@ -180,7 +181,8 @@ def test_bench_batch_sweep_and_plot(pair_31b, tmp_path):
         pass
     assert main(args) == 0
     results = json.loads(out.read_text())["results"]
-    expected = [("mtp", 1), ("mtp", 3), ("oracle", 1), ("oracle", 3), ("plain", 1), ("plain", 3)]
+    expected = [("mtp", 1), ("mtp", 3), ("no-draft", 1), ("no-draft", 3), ("oracle", 1), ("oracle", 3),
+                ("plain", 1), ("plain", 3)]
     if peer_available() is None:
         expected = [("mlx-vlm", 1)] + expected
     assert sorted({(e["engine"], e["batch"]) for e in results}) == expected

@@ -444,22 +444,11 @@ class SpeculativeDecoder:
         B = bonus.shape[0]
         if K == 0:
             return mx.zeros((B, 0), dtype=mx.int32), mx.zeros((B, 0, self.target.vocab_size), dtype=mx.float32)
-        shared_kv, masks = {}, {}
-        for kind in self.drafter_kinds:
-            source = self.target.kv_source(cache, kind)
-            span = self.drafter.visible_span(kind, self.target.sliding_window)
-            shared_kv[kind] = source.state
-            masks[kind] = source.table.visible(span)[:, None, None, :]
-        lengths = cache[0].lengths
-        if all(n == lengths[0] for n in lengths):
-            query_position = mx.array(lengths[0] + self.query_offset, dtype=mx.int32)
-        else:
-            query_position = mx.array(lengths, dtype=mx.int32) + self.query_offset
+        query_position, context = self.draft_context(cache)
         temps = [row.request.params.temperature for row in rows]
         sampled = any(t > 0 for t in temps)
         temp = mx.array([t if t > 0 else 1.0 for t in temps], dtype=mx.float32)[:, None]
         is_greedy = mx.array([t <= 0 for t in temps])
-        context = [a for kind in self.drafter_kinds for a in (*shared_kv[kind], masks[kind])]
         token, h = bonus[:, None], hidden
         drafts, qs = [], []
         for step_key in mx.random.split(key, K):
@@ -472,6 +461,21 @@ class SpeculativeDecoder:
             token = best[:, None]
         q = mx.stack(qs, axis=1) if sampled else None
         return mx.stack(drafts, axis=1), q
+
+    def draft_context(self, cache) -> tuple[mx.array, list]:
+        """What every draft step of a round reads: the query position, and per drafter layer
+        type the target's K/V with the mask of the committed slots it may see."""
+        context = []
+        for kind in self.drafter_kinds:
+            source = self.target.kv_source(cache, kind)
+            span = self.drafter.visible_span(kind, self.target.sliding_window)
+            context += [*source.state, source.table.visible(span)[:, None, None, :]]
+        lengths = cache[0].lengths
+        if all(n == lengths[0] for n in lengths):
+            query_position = mx.array(lengths[0] + self.query_offset, dtype=mx.int32)
+        else:
+            query_position = mx.array(lengths, dtype=mx.int32) + self.query_offset
+        return query_position, context
 
     # One draft step, compiled: a small drafter is dispatch-bound, and fusing its many small ops
     # roughly halves a step's cost.  Shapes change rarely (batch size, K/V length), so recompiles do too.

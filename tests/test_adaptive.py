@@ -36,6 +36,28 @@ def test_useless_drafts_fall_back_to_plain_and_reprobe():
     assert any(k > 0 for k in tail)  # but it keeps probing
 
 
+def test_one_rejected_first_round_does_not_send_a_good_drafter_away():
+    controller = DepthController(max_depth=4, probe_every=16)
+    k = controller.choose()
+    controller.observe(k, [0], 1.0 + 0.3 * k)  # unlucky start
+    chosen = feed(controller, acceptance=0.9, per_draft=0.3, rounds=30)
+    assert chosen[:16].count(0) <= 2 and min(chosen[-10:]) >= 2
+
+
+def test_accepted_probes_keep_probing_often_rejected_ones_back_off():
+    controller = DepthController(max_depth=1, probe_every=4, max_probe_every=64)
+    controller.times = {0: 1.0, 1: 2.0}  # a draft round costs two plain ones
+    for _ in range(10):  # and drafts have been rejected: plain wins
+        controller.observe(1, [0], 2.0)
+    waits = []
+    for accepted in (0, 0, 1, 0):
+        while (k := controller.choose()) == 0:
+            controller.observe(0, [0], 1.0)
+        controller.observe(k, [accepted], 2.0)
+        waits.append(controller._wait)
+    assert waits == [8, 16, 4, 8]
+
+
 def test_min_acceptance_forces_plain():
     controller = DepthController(max_depth=4, min_acceptance=0.9, probe_every=1000)
     chosen = feed(controller, acceptance=0.5, per_draft=0.01, rounds=40)

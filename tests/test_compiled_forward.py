@@ -49,14 +49,15 @@ def test_compiled_forward_matches_uncompiled_across_rollbacks_and_the_window(pai
 def test_traces_are_reused_and_bounded(pair):
     target = Gemma4Target(pair.model)
     cache = _prefilled(target, prompts(1, target.vocab_size, lengths=[7]), 6)
-    forward = target.compiled
+    traces = target.compiled.traces
     for L in (1, 2, 1, 2, 1):
         target.forward(mx.zeros((1, L), dtype=mx.int32), cache)
         caches.commit(cache, [cache[0].lengths[0] + 1])
-    assert len(forward._traces) == 2  # one per shape, reused
-    forward.max_traces = 2
+    assert len(traces) == traces.made == 2  # one per shape, reused
+    traces.limit = 2
     target.forward(mx.zeros((1, 3), dtype=mx.int32), cache)
-    assert len(forward._traces) == 2 and (1, 3) in [key[0] for key in forward._traces]
+    assert len(traces) == 2 and traces.made == 3
+    assert ((1, 3), mx.int32) in [key[0] for key in traces._by_shape]  # the newest is kept
 
 
 def test_long_forwards_and_empty_caches_run_uncompiled(pair):

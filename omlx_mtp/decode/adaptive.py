@@ -6,9 +6,11 @@ The controller picks the k in 0..max_depth with the most tokens per second, E(k)
 plain decoding.  Both a and t(k) are exponential moving averages of what the loop measured; t(k)
 for depths not measured yet is extrapolated from a line through the ones that were.  When plain
 decoding wins, MTP steps aside and re-probes after ``probe_every`` rounds — doubling the wait after
-each probe that changes nothing — so a request whose text becomes predictable later gets MTP back.
-Acceptance is counted, not averaged per round: decayed successes and trials with a weak prior,
-so a few rejected drafts are enough to stop drafting; drafting must promise a margin over plain.
+each probe whose draft is rejected — so a request whose text becomes predictable later gets MTP back.
+Acceptance is counted, not averaged per round: decayed successes and trials with a prior worth two
+drafts at 75% (a typical first-draft acceptance), so one unlucky round does not send a good drafter
+away while a few rejected rounds stop a useless one; drafting must promise a margin over plain.
+Rounds that compiled a graph are not timed (``observe`` gets None).
 """
 
 from __future__ import annotations
@@ -27,15 +29,18 @@ class DepthController:
     decay: float = 0.97  # for acceptance counts (an effective window of ~30 drafts)
     margin: float = 1.03  # drafting must promise 3% over plain decoding
     fixed: bool = False  # a fixed depth: always max_depth, except plain rounds below min_acceptance
+    prior_successes: float = 1.5
+    prior_trials: float = 2.0
     times: dict = field(default_factory=dict)  # depth -> EMA seconds per round
     _successes: float = 0.0
     _trials: float = 0.0
     _plain_rounds: int = 0
     _wait: int = 0
+    _probing: bool = False
 
     @property
     def acceptance(self) -> float:
-        return (self._successes + 0.5) / (self._trials + 1)
+        return (self._successes + self.prior_successes) / (self._trials + self.prior_trials)
 
     def expected_tokens(self, k: int) -> float:
         a = min(self.acceptance, 0.999)
@@ -79,16 +84,20 @@ class DepthController:
         self._wait = self._wait or self.probe_every
         self._plain_rounds += 1
         if self._plain_rounds >= self._wait:
-            self._plain_rounds = 0
-            self._wait = min(2 * self._wait, self.max_probe_every)
+            self._plain_rounds, self._probing = 0, True
             return probe_depth
         return 0
 
-    def observe(self, k: int, accepted: list[int], seconds: float) -> None:
-        """After a round of depth k: accepted drafts per row, and the round's wall time."""
-        previous = self.times.get(k)
-        self.times[k] = seconds if previous is None else previous + self.smoothing * (seconds - previous)
+    def observe(self, k: int, accepted: list[int], seconds: float | None) -> None:
+        """After a round of depth k: accepted drafts per row, and the round's wall time (None: not
+        representative, e.g. it included compiling a graph)."""
+        if seconds is not None:
+            previous = self.times.get(k)
+            self.times[k] = seconds if previous is None else previous + self.smoothing * (seconds - previous)
         if k == 0 or not accepted:
             return
+        if self._probing:  # a rejected probe doubles the wait for the next; an accepted one resets it
+            self._probing = False
+            self._wait = min(2 * self._wait, self.max_probe_every) if sum(accepted) == 0 else self.probe_every
         self._successes = self.decay * self._successes + sum(accepted)
         self._trials = self.decay * self._trials + sum(n + 1 if n < k else k for n in accepted)

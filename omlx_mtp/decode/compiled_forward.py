@@ -39,15 +39,39 @@ class _TracedSlots:
         return self.keys, self.values
 
 
+class TraceCache:
+    """``mx.compile(fn)`` kept per input shape, a bounded number of them (a long-running server's
+    batch and buffer sizes come and go; a dropped compiled function releases its trace).  ``made``
+    counts the traces, so a caller can tell a round that paid for tracing from one that did not."""
+
+    def __init__(self, fn, limit: int = 24):
+        self.fn, self.limit = fn, limit
+        self.made = 0
+        self._by_shape: OrderedDict = OrderedDict()
+
+    def __call__(self, *args: mx.array):
+        key = tuple((a.shape, a.dtype) for a in args)
+        compiled = self._by_shape.pop(key, None)
+        if compiled is None:
+            compiled = mx.compile(partial(self.fn))
+            self.made += 1
+            while len(self._by_shape) >= self.limit:
+                self._by_shape.popitem(last=False)
+        self._by_shape[key] = compiled
+        return compiled(*args)
+
+    def __len__(self) -> int:
+        return len(self._by_shape)
+
+
 class CompiledForward:
     """``forward(tokens, cache)`` for the target, compiled; same results as the plain call."""
 
     max_positions = 16  # longer forwards (prefill chunks) run uncompiled: one trace per length
-    max_traces = 24  # traces kept (per shape: batch, positions, buffer sizes); the oldest go first
 
     def __init__(self, target):
         self.target = target
-        self._traces: OrderedDict = OrderedDict()
+        self.traces = TraceCache(self._graph)  # per shape: batch, positions, buffer sizes
         self._layout = None  # per cache layer: index of its SlotTable in the argument list
 
     def accepts(self, tokens: mx.array, cache: list) -> bool:
@@ -73,23 +97,10 @@ class CompiledForward:
                     c.keys, c.values = _pad_axis(c.keys, size, 2, 0), _pad_axis(c.values, size, 2, 0)
         offsets = mx.array(cache[0].lengths, dtype=mx.int32)
         buffers = [a for c in cache for a in (c.keys, c.values)]
-        logits, hidden, *buffers = self._trace_for(tokens, buffers)(tokens, offsets, *per_table, *buffers)
+        logits, hidden, *buffers = self.traces(tokens, offsets, *per_table, *buffers)
         for i, c in enumerate(cache):
             c.keys, c.values = buffers[2 * i], buffers[2 * i + 1]
         return logits, hidden
-
-    def _trace_for(self, tokens: mx.array, buffers: list):
-        """One compiled function per input shape, so that a long-running server, whose batch
-        sizes and buffer sizes come and go, holds a bounded number of traces (a dropped
-        compiled function releases its trace)."""
-        key = (tokens.shape, tuple(b.shape[2] for b in buffers[::2]))
-        fn = self._traces.pop(key, None)
-        if fn is None:
-            fn = mx.compile(partial(self._graph))
-            while len(self._traces) >= self.max_traces:
-                self._traces.popitem(last=False)
-        self._traces[key] = fn
-        return fn
 
     def _graph(self, tokens, offsets, *arrays):
         n_tables = 1 + max(self._layout)

@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from .acceptance import accept_greedy, accept_sampled
 from .adaptive import DepthController
+from .compiled_forward import TraceCache
 from . import cache as caches
 from .sampling import SamplingParams, draft_probs, log_softmax, target_probs
 from .target import Gemma4Target
@@ -214,11 +215,11 @@ class LiveBatch:
         if K == 0 and not any(row.stateful for row in rows):
             return self._plain_stretch(min(self.max_plain_stretch, remaining))
         caps = [min(w, K) for w in wanted]
-        started = time.perf_counter()
+        started, traces = time.perf_counter(), self.decoder.traces_made
         drafts, n, bonus, hidden, self.logits = self.decoder._round(
             rows, self.cache, self.bonus, self.hidden, K, self._split_key(), caps)
         drafts_host, n_host, bonus_host = drafts.tolist(), n.tolist(), bonus.tolist()
-        seconds = time.perf_counter() - started
+        seconds = self._timing(started, traces)
         new, lengths = [], []
         for slot, row in enumerate(rows):
             if row.controller is not None:
@@ -241,7 +242,7 @@ class LiveBatch:
         """Up to ``limit`` plain steps without a host sync; stops early when a row's controller
         wants to draft again (that depth is kept for the next round)."""
         rows, decoder = self.rows, self.decoder
-        started = time.perf_counter()
+        started, traces = time.perf_counter(), decoder.traces_made
         steps, bonus, hidden = [], self.bonus, self.hidden
         while True:
             logits, hidden = decoder.target.forward(bonus[:, None], self.cache)
@@ -257,7 +258,7 @@ class LiveBatch:
                 break
         tokens = mx.stack([b for b, _ in steps], axis=1).tolist()
         self.logits = mx.concatenate([l for _, l in steps], axis=1)
-        seconds = (time.perf_counter() - started) / len(steps)
+        seconds = self._timing(started, traces, len(steps))
         new = []
         for row, row_tokens in zip(rows, tokens):
             if row.controller is not None:
@@ -269,6 +270,12 @@ class LiveBatch:
             new.append(emitted)
         self.bonus, self.hidden = bonus, hidden
         return new
+
+    def _timing(self, started: float, traces: int, steps: int = 1) -> float | None:
+        """Seconds per step since ``started``; None when a graph was traced meanwhile."""
+        if self.decoder.traces_made != traces:
+            return None
+        return (time.perf_counter() - started) / steps
 
     @staticmethod
     def _still_plain(rows: list[RowState]) -> bool:
@@ -493,7 +500,7 @@ class SpeculativeDecoder:
                 logits, h = self._drafter_logits(token, h, position, context)
                 return mx.argmax(logits, axis=-1).astype(mx.int32), h
 
-            self._compiled_greedy = mx.compile(step)
+            self._compiled_greedy = TraceCache(step)
         return self._compiled_greedy
 
     @property
@@ -505,8 +512,15 @@ class SpeculativeDecoder:
                 draw = mx.random.categorical(mx.log(q), key=key).astype(mx.int32)
                 return mx.where(is_greedy, mx.argmax(logits, axis=-1).astype(mx.int32), draw), q, h
 
-            self._compiled_sampled = mx.compile(step)
+            self._compiled_sampled = TraceCache(step)
         return self._compiled_sampled
+
+    @property
+    def traces_made(self) -> int:
+        """Compiled graphs traced so far (target forwards and draft steps): a round in which this
+        grew paid for tracing, and its time says nothing about its depth."""
+        made = [self._compiled_greedy, self._compiled_sampled, self.target.compiled]
+        return sum(c.made if isinstance(c, TraceCache) else c.traces.made for c in made if c is not None)
 
     def _process(self, rows, logits: mx.array, history_at) -> mx.array:
         """Apply each row's logits processors at every position; history_at(row, i) is the

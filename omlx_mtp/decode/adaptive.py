@@ -1,14 +1,18 @@
 """Choosing the draft depth per round from measured acceptance and measured round cost.
 
-With per-draft acceptance rate a, a round of k drafts emits E(k) = (1 - a^(k+1)) / (1 - a) tokens
-on average and costs t(k) seconds (drafting plus one verify of k+1 positions, host work included).
+With s_i the chance that draft i is accepted once drafts 1..i-1 were, a round of k drafts emits
+E(k) = 1 + sum over i <= k of s_1 ... s_i tokens on average (acceptance is bursty: after an accepted
+draft the next is likelier to be, so one rate for all positions would undercount deep rounds), and
+costs t(k) seconds (drafting plus one verify of k+1 positions, host work included).
 The controller picks the k in 0..max_depth with the most tokens per second, E(k) / t(k); k = 0 is
-plain decoding.  Both a and t(k) are exponential moving averages of what the loop measured; t(k)
-for depths not measured yet is extrapolated from a line through the ones that were.  When plain
+plain decoding.  The s_i are decayed counts, each position leaning on the one before it while it has
+few trials; t(k) are moving averages of measured rounds, extrapolated along a line for depths not yet
+measured.  Every ``explore_every`` drafting rounds one goes a draft deeper than the best, so deeper
+positions get measured.  When plain
 decoding wins, MTP steps aside and re-probes after ``probe_every`` rounds — doubling the wait after
 each probe whose draft is rejected — so a request whose text becomes predictable later gets MTP back.
-Acceptance is counted, not averaged per round: decayed successes and trials with a prior worth two
-drafts at 75% (a typical first-draft acceptance), so one unlucky round does not send a good drafter
+Acceptance is counted, not averaged per round, with a prior worth two drafts at 75% (a typical
+first-draft acceptance), so one unlucky round does not send a good drafter
 away while a few rejected rounds stop a useless one; drafting must promise a margin over plain.
 Rounds that compiled a graph are not timed (``observe`` gets None).
 """
@@ -31,20 +35,37 @@ class DepthController:
     fixed: bool = False  # a fixed depth: always max_depth, except plain rounds below min_acceptance
     prior_successes: float = 1.5
     prior_trials: float = 2.0
+    explore_every: int = 8
     times: dict = field(default_factory=dict)  # depth -> EMA seconds per round
     _successes: float = 0.0
     _trials: float = 0.0
     _plain_rounds: int = 0
     _wait: int = 0
     _probing: bool = False
+    _since_explore: int = 0
+    _position_successes: list = field(default_factory=list)  # per draft position, decayed
+    _position_trials: list = field(default_factory=list)
 
     @property
     def acceptance(self) -> float:
         return (self._successes + self.prior_successes) / (self._trials + self.prior_trials)
 
+    def position_acceptance(self) -> list[float]:
+        """s_i for draft positions 1..max_depth."""
+        out, prior = [], self.prior_successes / self.prior_trials
+        for i in range(self.max_depth):
+            successes = self._position_successes[i] if i < len(self._position_successes) else 0.0
+            trials = self._position_trials[i] if i < len(self._position_trials) else 0.0
+            prior = (successes + prior * self.prior_trials) / (trials + self.prior_trials)
+            out.append(prior)
+        return out
+
     def expected_tokens(self, k: int) -> float:
-        a = min(self.acceptance, 0.999)
-        return (1 - a ** (k + 1)) / (1 - a)
+        total = alive = 1.0
+        for s in self.position_acceptance()[:k]:
+            alive *= min(s, 0.999)
+            total += alive
+        return total
 
     def round_time(self, k: int) -> float | None:
         if k in self.times:
@@ -78,6 +99,10 @@ class DepthController:
         if best == 0 or (0 in rates and rates[best] < self.margin * rates[0]):
             return self._plain_or_probe()
         self._plain_rounds, self._wait = 0, 0
+        self._since_explore += 1
+        if self._since_explore >= self.explore_every and best < self.max_depth:
+            self._since_explore = 0
+            return best + 1
         return best
 
     def _plain_or_probe(self, probe_depth: int = 1) -> int:
@@ -101,3 +126,12 @@ class DepthController:
             self._wait = min(2 * self._wait, self.max_probe_every) if sum(accepted) == 0 else self.probe_every
         self._successes = self.decay * self._successes + sum(accepted)
         self._trials = self.decay * self._trials + sum(n + 1 if n < k else k for n in accepted)
+        grow = k - len(self._position_trials)
+        if grow > 0:
+            self._position_successes += [0.0] * grow
+            self._position_trials += [0.0] * grow
+        for i in range(len(self._position_trials)):
+            tried = sum(1 for n in accepted if i < k and n >= i)  # rows whose draft i was looked at
+            kept = sum(1 for n in accepted if n > i)
+            self._position_successes[i] = self.decay * self._position_successes[i] + kept
+            self._position_trials[i] = self.decay * self._position_trials[i] + tried

@@ -44,7 +44,7 @@ class TraceCache:
     batch and buffer sizes come and go; a dropped compiled function releases its trace).  ``made``
     counts the traces, so a caller can tell a round that paid for tracing from one that did not."""
 
-    def __init__(self, fn, limit: int = 24):
+    def __init__(self, fn, limit: int = 64):
         self.fn, self.limit = fn, limit
         self.made = 0
         self._by_shape: OrderedDict = OrderedDict()

@@ -143,6 +143,7 @@ class LiveBatch:
         self.cache = self.bonus = self.hidden = None
         self.logits = None  # processed verify logits of the last round [B, K+1, V] (for logprobs)
         self.first_logits = None  # processed logits of the last rows started [B, 1, V]
+        self._batch_pending: int | None = None
 
     def new_row(self, request: Request, processors: list | None = None, **extra) -> RowState:
         """A row for ``request``; processors default to those its sampling parameters make."""
@@ -198,6 +199,39 @@ class LiveBatch:
         self.bonus, self.hidden, self.cache = _select(keep, len(self.rows), self.bonus, self.hidden, self.cache)
         self.rows = [self.rows[i] for i in keep]
 
+    def _batch_controller(self) -> DepthController | None:
+        """With ``auto`` and several rows, one depth serves the batch: a round's cost is the whole
+        batch's, so the depth that maximises tokens per second summed over rows is chosen from the
+        rows' pooled acceptance and round times measured at this batch size (plain included).
+        The controllers live on the decoder, so what they learnt outlasts a batch."""
+        if not self.auto or not self.max_depth or len(self.rows) < 2:
+            return None
+        by_size = self.decoder.batch_controllers
+        key = (len(self.rows), self.max_depth)
+        if key not in by_size:
+            by_size[key] = DepthController(self.max_depth, self.decoder.min_acceptance)
+        return by_size[key]
+
+    def _depths(self, rows: list[RowState]) -> list[int]:
+        """The depth each row wants for the next round."""
+        batch = self._batch_controller()
+        if batch is None:
+            return [self._wanted(row) for row in rows]
+        depth, self._batch_pending = self._batch_pending, None
+        if depth is None:
+            depth = batch.choose()
+        return [0 if row.one_token_per_round else depth for row in rows]
+
+    def _observe(self, caps: list[int], accepted: list[int], seconds: float | None) -> None:
+        batch = self._batch_controller()
+        if batch is not None:
+            drafting = [n for cap, n in zip(caps, accepted) if cap]
+            batch.observe(max(caps), drafting, seconds)
+            seconds = None  # a row's own times are for when it decodes alone
+        for row, cap, n in zip(self.rows, caps, accepted):
+            if row.controller is not None:
+                row.controller.observe(cap, [n] if cap else [0], seconds)
+
     def _wanted(self, row: RowState) -> int:
         if row.one_token_per_round:
             return 0
@@ -209,7 +243,7 @@ class LiveBatch:
     def round(self) -> list[list[int]]:
         """One round for every row; returns the tokens each row emitted (in ``self.rows`` order)."""
         rows = self.rows
-        wanted = [self._wanted(row) for row in rows]
+        wanted = self._depths(rows)
         remaining = max(row.request.max_tokens - len(row.generated) for row in rows)
         K = max(0, min(max(wanted), self.max_depth, remaining - 1))
         if K == 0 and not any(row.stateful for row in rows):
@@ -219,11 +253,9 @@ class LiveBatch:
         drafts, n, bonus, hidden, self.logits = self.decoder._round(
             rows, self.cache, self.bonus, self.hidden, K, self._split_key(), caps)
         drafts_host, n_host, bonus_host = drafts.tolist(), n.tolist(), bonus.tolist()
-        seconds = self._timing(started, traces)
+        self._observe(caps, n_host, self._timing(started, traces))
         new, lengths = [], []
         for slot, row in enumerate(rows):
-            if row.controller is not None:
-                row.controller.observe(caps[slot], [n_host[slot]], seconds)
             kept = drafts_host[slot][: n_host[slot]] + [bonus_host[slot]]
             row.stats.rounds += 1
             row.stats.drafted += caps[slot]
@@ -239,8 +271,8 @@ class LiveBatch:
         return new
 
     def _plain_stretch(self, limit: int) -> list[list[int]]:
-        """Up to ``limit`` plain steps without a host sync; stops early when a row's controller
-        wants to draft again (that depth is kept for the next round)."""
+        """Up to ``limit`` plain steps without a host sync; stops early when a controller wants to
+        draft again (that depth is kept for the next round)."""
         rows, decoder = self.rows, self.decoder
         started, traces = time.perf_counter(), decoder.traces_made
         steps, bonus, hidden = [], self.bonus, self.hidden
@@ -254,16 +286,15 @@ class LiveBatch:
             for r, row in enumerate(rows):
                 if row.processors:
                     row.history = mx.concatenate([row.history, bonus[r : r + 1]])
-            if len(steps) == limit or not self._still_plain(rows):
+            if len(steps) == limit or not self._still_plain():
                 break
         tokens = mx.stack([b for b, _ in steps], axis=1).tolist()
         self.logits = mx.concatenate([l for _, l in steps], axis=1)
         seconds = self._timing(started, traces, len(steps))
+        for _ in steps:
+            self._observe([0] * len(rows), [0] * len(rows), seconds)
         new = []
         for row, row_tokens in zip(rows, tokens):
-            if row.controller is not None:
-                for _ in steps:
-                    row.controller.observe(0, [0], seconds)
             emitted = row.emit(row_tokens)
             row.stats.rounds += len(steps)
             row.stats.emitted += len(emitted)
@@ -277,11 +308,15 @@ class LiveBatch:
             return None
         return (time.perf_counter() - started) / steps
 
-    @staticmethod
-    def _still_plain(rows: list[RowState]) -> bool:
-        """Ask each row's controller for its next depth; any wish to draft ends the stretch."""
+    def _still_plain(self) -> bool:
+        """Ask the controllers for the next depth; any wish to draft ends the stretch."""
+        batch = self._batch_controller()
+        if batch is not None:
+            if self._batch_pending is None:
+                self._batch_pending = batch.choose() or None
+            return self._batch_pending is None
         go_on = True
-        for row in rows:
+        for row in self.rows:
             if row.controller is not None and row.pending_depth is None:
                 depth = row.controller.choose()
                 if depth:
@@ -320,6 +355,7 @@ class SpeculativeDecoder:
         self.prefill_step = prefill_step
         self.drafter_kinds = sorted(set(getattr(drafter, "layer_types", [])))
         self._compiled_greedy = self._compiled_sampled = None
+        self.batch_controllers: dict = {}  # (batch size, max depth) -> DepthController, for auto
 
     # -- public ---------------------------------------------------------------------------
     def generate(self, requests: Sequence[Request], seed: int | None = None, draft_tokens: int | str | None = None):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .sampling import SamplingParams, target_probs
+
 
 def leading_true(flags: mx.array) -> mx.array:
     """[B, K] bool -> [B] count of leading True values."""
@@ -52,3 +54,18 @@ def accept_sampled(drafts: mx.array, q: mx.array, p: mx.array, key: mx.array, al
     chosen = mx.where(chosen.sum(axis=-1, keepdims=True) > 0, chosen, fallback)
     token = mx.random.categorical(mx.log(chosen), key=draw_key)
     return n, token.astype(drafts.dtype)
+
+
+# The two common cases as whole graphs (compiled by the loop): every row greedy, or every row
+# sampling from the same distribution.  ``caps`` [B]: drafts each row may keep; ``hidden``
+# [B, K+1, H] verify hidden states, of which the one at the last kept position is returned.
+def accept_greedy_graph(drafts, logits, hidden, caps):
+    allowed = mx.arange(drafts.shape[1])[None] < caps[:, None]
+    n, token = accept_greedy(drafts, mx.argmax(logits, axis=-1).astype(mx.int32), allowed)
+    return n, token, mx.take_along_axis(hidden, n[:, None, None], axis=1)
+
+
+def accept_sampled_graph(params: SamplingParams, drafts, q, logits, hidden, key, caps):
+    allowed = mx.arange(drafts.shape[1])[None] < caps[:, None]
+    n, token = accept_sampled(drafts, q, target_probs(logits, params), key, allowed)
+    return n, token, mx.take_along_axis(hidden, n[:, None, None], axis=1)

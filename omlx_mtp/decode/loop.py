@@ -14,12 +14,14 @@ hidden state at the position that produced it.  One round:
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
 
-from .acceptance import accept_greedy, accept_sampled
+from .acceptance import accept_greedy, accept_greedy_graph, accept_sampled, accept_sampled_graph
 from .adaptive import DepthController
 from .compiled_forward import TraceCache
 from . import cache as caches
@@ -354,7 +356,8 @@ class SpeculativeDecoder:
         self.query_offset = query_offset
         self.prefill_step = prefill_step
         self.drafter_kinds = sorted(set(getattr(drafter, "layer_types", [])))
-        self._compiled_greedy = self._compiled_sampled = None
+        self._trace_caches: OrderedDict = OrderedDict()  # name -> TraceCache (draft steps, acceptance)
+        self._retired_traces = 0
         self.batch_controllers: dict = {}  # (batch size, max depth) -> DepthController, for auto
 
     # -- public ---------------------------------------------------------------------------
@@ -465,23 +468,32 @@ class SpeculativeDecoder:
         verify = mx.concatenate([bonus[:, None], drafts], axis=1)
         logits, verify_hidden = self.target.forward(verify, cache)
         logits = self._process(rows, logits, lambda r, i: mx.concatenate([rows[r].history, drafts[r, :i]]))
-        allowed = None
-        if caps is not None and K > 0 and min(caps) < K:
-            allowed = mx.arange(K)[None] < mx.array(caps)[:, None]
-        greedy = [row.request.params.greedy for row in rows]
-        if all(greedy):
-            n, nxt = accept_greedy(drafts, mx.argmax(logits, axis=-1).astype(mx.int32), allowed)
-        else:
-            p = self._target_distribution(rows, logits)
-            n, nxt = accept_sampled(drafts, q, p, accept_key, allowed)
-            if any(greedy):
-                n_g, nxt_g = accept_greedy(drafts, mx.argmax(logits, axis=-1).astype(mx.int32), allowed)
-                is_greedy = mx.array(greedy)
-                n, nxt = mx.where(is_greedy, n_g, n), mx.where(is_greedy, nxt_g, nxt)
+        n, nxt, new_hidden = self._accept(rows, drafts, q, logits, verify_hidden, accept_key,
+                                          caps if caps is not None else [K] * len(rows))
         nxt = self._host_sampled(rows, logits[:, 0], nxt)  # such rows keep no drafts (caps 0)
-        new_hidden = mx.take_along_axis(verify_hidden, n[:, None, None], axis=1)
         mx.eval(drafts, n, nxt, new_hidden)
         return drafts, n, nxt, new_hidden, logits
+
+    def _accept(self, rows, drafts, q, logits, verify_hidden, key, caps: list[int]):
+        """(accepted drafts [B], next token [B], verify hidden state at the last kept position)."""
+        K = drafts.shape[1]
+        params = [row.request.params for row in rows]
+        caps_array = mx.array(caps, dtype=mx.int32)
+        if K and all(p.greedy for p in params):
+            graph = self._traced("accept-greedy", accept_greedy_graph)
+            return graph(drafts, logits, verify_hidden, caps_array)
+        first = params[0].distribution_key
+        if K and not any(p.greedy for p in params) and all(p.distribution_key == first for p in params):
+            graph = self._traced(("accept-sampled", first), partial(accept_sampled_graph, params[0]))
+            return graph(drafts, q, logits, verify_hidden, key, caps_array)
+        allowed = mx.arange(K)[None] < caps_array[:, None]
+        greedy = [p.greedy for p in params]
+        n, nxt = accept_greedy(drafts, mx.argmax(logits, axis=-1).astype(mx.int32), allowed)
+        if not all(greedy):
+            n_s, nxt_s = accept_sampled(drafts, q, self._target_distribution(rows, logits), key, allowed)
+            is_greedy = mx.array(greedy)
+            n, nxt = mx.where(is_greedy, n, n_s), mx.where(is_greedy, nxt, nxt_s)
+        return n, nxt, mx.take_along_axis(verify_hidden, n[:, None, None], axis=1)
 
     def _draft(self, rows, cache, bonus, hidden, K: int, key):
         B = bonus.shape[0]
@@ -531,32 +543,40 @@ class SpeculativeDecoder:
 
     @property
     def _greedy_step(self):
-        if self._compiled_greedy is None:
-            def step(token, h, position, *context):
-                logits, h = self._drafter_logits(token, h, position, context)
-                return mx.argmax(logits, axis=-1).astype(mx.int32), h
+        def step(token, h, position, *context):
+            logits, h = self._drafter_logits(token, h, position, context)
+            return mx.argmax(logits, axis=-1).astype(mx.int32), h
 
-            self._compiled_greedy = TraceCache(step)
-        return self._compiled_greedy
+        return self._traced("greedy-step", step)
 
     @property
     def _sampled_step(self):
-        if self._compiled_sampled is None:
-            def step(token, h, position, temp, is_greedy, key, *context):
-                logits, h = self._drafter_logits(token, h, position, context)
-                q = draft_probs(logits, temp)
-                draw = mx.random.categorical(mx.log(q), key=key).astype(mx.int32)
-                return mx.where(is_greedy, mx.argmax(logits, axis=-1).astype(mx.int32), draw), q, h
+        def step(token, h, position, temp, is_greedy, key, *context):
+            logits, h = self._drafter_logits(token, h, position, context)
+            q = draft_probs(logits, temp)
+            draw = mx.random.categorical(mx.log(q), key=key).astype(mx.int32)
+            return mx.where(is_greedy, mx.argmax(logits, axis=-1).astype(mx.int32), draw), q, h
 
-            self._compiled_sampled = TraceCache(step)
-        return self._compiled_sampled
+        return self._traced("sampled-step", step)
+
+    max_trace_caches = 16  # draft steps, acceptance graphs (one per sampling distribution)
+
+    def _traced(self, name, fn) -> TraceCache:
+        """The decoder's compiled graph called ``name`` (``fn`` is compiled the first time only)."""
+        cache = self._trace_caches.pop(name, None)
+        if cache is None:
+            cache = TraceCache(fn)
+            while len(self._trace_caches) >= self.max_trace_caches:
+                self._retired_traces += self._trace_caches.popitem(last=False)[1].made
+        self._trace_caches[name] = cache
+        return cache
 
     @property
     def traces_made(self) -> int:
-        """Compiled graphs traced so far (target forwards and draft steps): a round in which this
-        grew paid for tracing, and its time says nothing about its depth."""
-        made = [self._compiled_greedy, self._compiled_sampled, self.target.compiled]
-        return sum(c.made if isinstance(c, TraceCache) else c.traces.made for c in made if c is not None)
+        """Compiled graphs traced so far (target forwards, draft steps, acceptance): a round in
+        which this grew paid for tracing, and its time says nothing about its depth."""
+        forward = self.target.compiled.traces.made if self.target.compiled is not None else 0
+        return forward + self._retired_traces + sum(c.made for c in self._trace_caches.values())
 
     def _process(self, rows, logits: mx.array, history_at) -> mx.array:
         """Apply each row's logits processors at every position; history_at(row, i) is the

@@ -31,6 +31,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature <= 0
 
+    @property
+    def distribution_key(self) -> tuple:
+        """What the sampled distribution depends on (processors aside)."""
+        return (self.temperature, self.top_p, self.top_k, self.min_p, self.min_tokens_to_keep)
+
     def processors(self) -> list[LogitsProcessor]:
         made = make_logits_processors(None, self.repetition_penalty, self.repetition_context_size)
         return list(made) + list(self.logits_processors)

@@ -9,7 +9,6 @@ E[tokens per round] / (t_verify(K+1) / t_decode + K * t_draft / t_decode) and ac
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -21,12 +20,7 @@ from .decode import cache as caches
 from .decode.loop import DecodeStats, Request, SpeculativeDecoder
 from .decode.sampling import SamplingParams
 from .decode.oracle import OracleDrafter
-from .runner import Session, run_mtp, run_plain
-
-
-def regime() -> str:
-    blas = "OpenBLAS (LD_PRELOAD)" if "openblas" in os.environ.get("LD_PRELOAD", "").lower() else "bundled BLAS"
-    return f"{mx.default_device()}, {blas}"
+from .runner import Session, regime, run_mtp, run_plain
 
 
 def _median_ms(fn, repeats: int = 20) -> float:

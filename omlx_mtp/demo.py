@@ -15,11 +15,9 @@ import statistics
 import tempfile
 from pathlib import Path
 
-import mlx.core as mx
-
 from .decode.loop import Request, SpeculativeDecoder
 from .decode.oracle import OracleDrafter
-from .runner import Session, run_mtp, run_plain
+from .runner import Session, regime, run_mtp, run_plain
 from .tiny import TinySpec, write_pair
 
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\nclass ", "    def __init__(self, name"]
@@ -43,18 +41,20 @@ def run_demo(max_tokens: int = 96, draft_tokens: int = 3, as_json: bool = False)
         session = Session.load(target_dir, assistant_dir, draft_tokens=draft_tokens)
     say = (lambda *a: None) if as_json else print
     say(f"omlx-mtp demo — {label}")
-    say(f"device: {mx.default_device()}, draft tokens per round: {draft_tokens}\n")
+    say(f"regime: {regime()}, draft tokens per round: {draft_tokens}\n")
     results = []
     for text in PROMPTS:
         prompt = session.encode(text)
         request = Request(prompt, max_tokens=max_tokens, stop_tokens=session.stop_tokens())
-        run_plain(session.model, request)  # warm-up
+        run_plain(session.model, request)  # warm-ups: each engine's first run pays for compiling
         plain = run_plain(session.model, request)
+        session.run(request, mtp=True)
         mtp = session.run(request, mtp=True)
         oracle = SpeculativeDecoder(
             session.target, OracleDrafter({tuple(prompt): plain.row.generated}, session.target.vocab_size),
             draft_tokens=draft_tokens,
         )
+        run_mtp(oracle, request)
         perfect = run_mtp(oracle, request)
         same = plain.row.generated == mtp.row.generated == perfect.row.generated
         entry = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,12 @@ from .decode.target import Gemma4Target
 from .drafters import load_drafter, load_merged_drafter
 from .errors import MTPError
 from .models import load_target
+
+
+def regime() -> str:
+    """Where decoding runs, for the record next to any speed: device and, on a Linux CPU, the BLAS."""
+    blas = "OpenBLAS (LD_PRELOAD)" if "openblas" in os.environ.get("LD_PRELOAD", "").lower() else "bundled BLAS"
+    return f"{mx.default_device()}, {blas}"
 
 
 @dataclass

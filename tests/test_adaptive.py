@@ -91,3 +91,20 @@ def test_fixed_depth_falls_back_below_min_acceptance_and_reprobes():
     for _ in range(20):  # the text became predictable
         controller.observe(3, [3], 0.01)
     assert controller.choose() == 3
+
+
+def test_rounds_that_compiled_a_graph_are_not_timed(pair_31b):
+    decoder = SpeculativeDecoder(pair_31b.target, pair_31b.drafter, draft_tokens="auto")
+    batch = decoder.batch()
+    rows = [batch.new_row(Request(prompts(1, pair_31b.spec.vocab_size)[0], max_tokens=40))]
+    cache, hidden, logits = decoder._prefill([list(rows[0].request.prompt)], slack=batch.max_depth + 1)
+    batch.start(rows, cache, hidden, logits)
+    controller = rows[0].controller
+    rows[0].pending_depth = 2
+    before = decoder.traces_made
+    batch.round()  # a fresh decoder: this round traces its graphs
+    assert decoder.traces_made > before and 2 not in controller.times
+    rows[0].pending_depth = 2
+    before = decoder.traces_made
+    batch.round()  # same shapes: nothing traced, so the round is timed
+    assert decoder.traces_made == before and 2 in controller.times

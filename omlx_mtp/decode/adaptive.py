@@ -6,8 +6,8 @@ draft the next is likelier to be, so one rate for all positions would undercount
 costs t(k) seconds (drafting plus one verify of k+1 positions, host work included).
 The controller picks the k in 0..max_depth with the most tokens per second, E(k) / t(k); k = 0 is
 plain decoding.  The s_i are decayed counts, each position leaning on the one before it while it has
-few trials; t(k) are moving averages of measured rounds, extrapolated along a line for depths not yet
-measured.  Every ``explore_every`` drafting rounds one goes a draft deeper than the best, so deeper
+few trials; t(k) for drafting rounds comes from a line fitted to recent rounds of all depths (one
+noisy round then moves every estimate a little instead of one estimate a lot), t(0) from plain steps.  Every ``explore_every`` drafting rounds one goes a draft deeper than the best, so deeper
 positions get measured.  When plain
 decoding wins, MTP steps aside and re-probes after ``probe_every`` rounds — doubling the wait after
 each probe whose draft is rejected — so a request whose text becomes predictable later gets MTP back.
@@ -36,6 +36,7 @@ class DepthController:
     prior_successes: float = 1.5
     prior_trials: float = 2.0
     explore_every: int = 8
+    fit_decay: float = 0.9  # for the line through drafting round times (about ten rounds)
     times: dict = field(default_factory=dict)  # depth -> EMA seconds per round
     _successes: float = 0.0
     _trials: float = 0.0
@@ -43,6 +44,7 @@ class DepthController:
     _wait: int = 0
     _probing: bool = False
     _since_explore: int = 0
+    _fit: list = field(default_factory=lambda: [0.0] * 5)  # decayed sums: weight, k, k^2, t, k*t
     _position_successes: list = field(default_factory=list)  # per draft position, decayed
     _position_trials: list = field(default_factory=list)
 
@@ -67,7 +69,19 @@ class DepthController:
             total += alive
         return total
 
+    def _line(self) -> tuple[float, float] | None:
+        """(intercept, seconds per draft) fitted to recent drafting rounds, once two depths were seen."""
+        w, sk, skk, st, skt = self._fit
+        spread = w * skk - sk * sk
+        if w <= 0 or spread <= 1e-9 * w * w:
+            return None
+        slope = max((w * skt - sk * st) / spread, 0.0)
+        return (st - slope * sk) / w, slope
+
     def round_time(self, k: int) -> float | None:
+        line = self._line() if k > 0 else None
+        if line is not None:  # every drafting round informs every depth: one noisy round moves little
+            return line[0] + line[1] * k
         if k in self.times:
             return self.times[k]
         points = sorted(self.times.items())
@@ -119,6 +133,8 @@ class DepthController:
         if seconds is not None:
             previous = self.times.get(k)
             self.times[k] = seconds if previous is None else previous + self.smoothing * (seconds - previous)
+            if k > 0:
+                self._fit = [self.fit_decay * a + b for a, b in zip(self._fit, (1.0, k, k * k, seconds, k * seconds))]
         if k == 0 or not accepted:
             return
         if self._probing:  # a rejected probe doubles the wait for the next; an accepted one resets it

@@ -21,6 +21,16 @@ import mlx.core as mx
 from .cache import PositionalKVCache, _pad_axis, tables_of
 
 
+def compiled_forward_exact() -> bool:
+    """Whether the target's forward is compiled by default.  From mlx 0.32 a compiled forward gives
+    the op-by-op results bit for bit (float32, CPU, checked by the tests); mlx 0.31's CPU compiler fuses
+    element-wise ops with other rounding (~1e-4 after a few layers), which in bf16 moves greedy output
+    off plain decoding at more than near-ties.  Draft steps and acceptance are compiled everywhere:
+    they do not decide what the target emits."""
+    major, minor = (int(part) for part in mx.__version__.split(".")[:2])
+    return (major, minor) >= (0, 32)
+
+
 class _TracedSlots:
     """mlx-lm's cache protocol inside the traced graph: K/V buffers of fixed size, new K/V
     scattered to given slots, the mask and positions handed in."""

@@ -11,12 +11,13 @@ from mlx_lm.models import gemma4_text
 
 from ..gemma4_config import SLIDING
 from .cache import PositionalKVCache, make_caches
-from .compiled_forward import CompiledForward
+from .compiled_forward import CompiledForward, compiled_forward_exact
 
 
 class Gemma4Target:
-    def __init__(self, model, compiled: bool = True):
-        """compiled: run short forwards on this package's caches as one compiled graph."""
+    def __init__(self, model, compiled: bool | None = None):
+        """compiled: run short forwards on this package's caches as one compiled graph (default:
+        where this mlx's compiled graphs round exactly as its op-by-op ones)."""
         self.model = model
         self.text = getattr(model, "language_model", model)
         if not isinstance(self.text, gemma4_text.Model):
@@ -31,6 +32,8 @@ class Gemma4Target:
         self.num_cached_layers = self.args.num_hidden_layers - self.args.num_kv_shared_layers
         # The drafter reads, per layer type, the last target layer of that type that owns K/V.
         self.kv_owner = {t: i for i, t in enumerate(self.layer_types[: self.num_cached_layers])}
+        if compiled is None:
+            compiled = compiled_forward_exact()
         self.compiled = CompiledForward(self) if compiled else None
 
     @property

@@ -133,7 +133,7 @@ class LiveBatch:
     them (positions advance by one per step, so the caches need no host knowledge), and stop
     tokens are found on the host afterwards."""
 
-    max_plain_stretch = 4  # plain steps per round: pipelining gain vs. a host's step latency
+    max_plain_stretch = 8  # plain steps per round: one host sync per stretch; a controller may end it early
 
     def __init__(self, decoder: "SpeculativeDecoder", draft_tokens: int | str, seed: int | None = None):
         self.decoder = decoder

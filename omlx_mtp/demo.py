@@ -35,28 +35,38 @@ def demo_pair(scratch: Path) -> tuple[Path, Path, str]:
     return target, assistant, "embedded tiny Gemma 4 pair with RANDOM weights (text is noise; drafts are noise)"
 
 
-def run_demo(max_tokens: int = 96, draft_tokens: int = 3, as_json: bool = False) -> int:
+def _median_run(outcomes):
+    """The run of median speed (a machine's speed can swing between runs)."""
+    return sorted(outcomes, key=lambda o: o.tokens_per_second)[len(outcomes) // 2]
+
+
+def run_demo(max_tokens: int = 96, draft_tokens: int = 3, as_json: bool = False, repeats: int = 3) -> int:
     with tempfile.TemporaryDirectory(prefix="omlx-mtp-demo-") as tmp:
         target_dir, assistant_dir, label = demo_pair(Path(tmp))
         session = Session.load(target_dir, assistant_dir, draft_tokens=draft_tokens)
     say = (lambda *a: None) if as_json else print
     say(f"omlx-mtp demo — {label}")
-    say(f"regime: {regime()}, draft tokens per round: {draft_tokens}\n")
+    say(f"regime: {regime()}, draft tokens per round: {draft_tokens}, median of {repeats} alternating runs\n")
     results = []
     for text in PROMPTS:
         prompt = session.encode(text)
         request = Request(prompt, max_tokens=max_tokens, stop_tokens=session.stop_tokens())
-        run_plain(session.model, request)  # warm-ups: each engine's first run pays for compiling
-        plain = run_plain(session.model, request)
-        session.run(request, mtp=True)
-        mtp = session.run(request, mtp=True)
+        reference = run_plain(session.model, request)  # warm-up; the oracle drafts this continuation
         oracle = SpeculativeDecoder(
-            session.target, OracleDrafter({tuple(prompt): plain.row.generated}, session.target.vocab_size),
+            session.target, OracleDrafter({tuple(prompt): reference.row.generated}, session.target.vocab_size),
             draft_tokens=draft_tokens,
         )
-        run_mtp(oracle, request)
-        perfect = run_mtp(oracle, request)
-        same = plain.row.generated == mtp.row.generated == perfect.row.generated
+        engines = {"plain": lambda: run_plain(session.model, request),
+                   "mtp": lambda: session.run(request, mtp=True),
+                   "oracle": lambda: run_mtp(oracle, request)}
+        runs = {name: [] for name in engines}
+        for repeat in range(repeats + 1):  # alternating runs; the first pass warms up (compiling)
+            for name, engine in engines.items():
+                outcome = engine()
+                if repeat:
+                    runs[name].append(outcome)
+        plain, mtp, perfect = (_median_run(runs[name]) for name in engines)
+        same = all(o.row.generated == reference.row.generated for name in runs for o in runs[name])
         entry = {
             "prompt": text,
             "identical_at_T0": same,

@@ -44,18 +44,27 @@ def test_one_rejected_first_round_does_not_send_a_good_drafter_away():
     assert chosen[:16].count(0) <= 2 and min(chosen[-10:]) >= 2
 
 
-def test_accepted_probes_keep_probing_often_rejected_ones_back_off():
-    controller = DepthController(max_depth=1, probe_every=4, max_probe_every=64)
+def test_rejected_probes_back_off_and_an_accepted_one_opens_a_trial():
+    controller = DepthController(max_depth=1, probe_every=4, max_probe_every=64, trial_rounds=3)
     controller.times = {0: 1.0, 1: 2.0}  # a draft round costs two plain ones
     for _ in range(10):  # and drafts have been rejected: plain wins
-        controller.observe(1, [0], 2.0)
+        controller.observe(1, [0], None)
     waits = []
-    for accepted in (0, 0, 1, 0):
+    for _ in range(2):  # rejected probes: each doubles the wait before the next
+        plain = 0
         while (k := controller.choose()) == 0:
-            controller.observe(0, [0], 1.0)
-        controller.observe(k, [accepted], 2.0)
-        waits.append(controller._wait)
-    assert waits == [8, 16, 4, 8]
+            plain += 1
+        controller.observe(k, [0], None)
+        waits.append(plain)
+    assert waits == [3, 7]  # a probe ends each wait (4, then 8 rounds)
+    while (k := controller.choose()) == 0:
+        pass
+    controller.observe(k, [1], None)  # an accepted probe: three drafting rounds follow
+    trial = [controller.choose() for _ in range(3)]
+    assert trial == [1, 1, 1]
+    for _ in range(3):
+        controller.observe(1, [0], None)  # the trial's drafts are rejected
+    assert controller.choose() == 0  # and plain decoding wins again
 
 
 def test_min_acceptance_forces_plain():

@@ -10,7 +10,9 @@ few trials; t(k) for drafting rounds comes from a line fitted to recent rounds o
 noisy round then moves every estimate a little instead of one estimate a lot), t(0) from plain steps.  Every ``explore_every`` drafting rounds one goes a draft deeper than the best, so deeper
 positions get measured.  When plain
 decoding wins, MTP steps aside and re-probes after ``probe_every`` rounds — doubling the wait after
-each probe whose draft is rejected — so a request whose text becomes predictable later gets MTP back.
+each probe whose draft is rejected; an accepted probe opens a trial of a few drafting rounds, so that a
+request sent to plain decoding by an unlucky stretch, or whose text becomes predictable later, gets MTP
+back on fresh evidence instead of one probe's worth.
 Acceptance is counted, not averaged per round, with a prior worth two drafts at 75% (a typical
 first-draft acceptance), so one unlucky round does not send a good drafter
 away while a few rejected rounds stop a useless one; drafting must promise a margin over plain.
@@ -36,6 +38,7 @@ class DepthController:
     prior_successes: float = 1.5
     prior_trials: float = 2.0
     explore_every: int = 8
+    trial_rounds: int = 4  # drafting rounds after an accepted probe, before plain may win again
     fit_decay: float = 0.9  # for the line through drafting round times (about ten rounds)
     times: dict = field(default_factory=dict)  # depth -> EMA seconds per round
     _successes: float = 0.0
@@ -44,6 +47,7 @@ class DepthController:
     _wait: int = 0
     _probing: bool = False
     _since_explore: int = 0
+    _trial: int = 0
     _fit: list = field(default_factory=lambda: [0.0] * 5)  # decayed sums: weight, k, k^2, t, k*t
     _position_successes: list = field(default_factory=list)  # per draft position, decayed
     _position_trials: list = field(default_factory=list)
@@ -109,6 +113,9 @@ class DepthController:
             return self._plain_or_probe()
         rates = {k: self.expected_tokens(k) / t for k in range(self.max_depth + 1)
                  if (t := self.round_time(k)) is not None}
+        if self._trial:  # after an accepted probe: draft a few rounds and let them speak
+            self._trial -= 1
+            rates.pop(0, None)
         best = max(rates, key=rates.get)
         if best == 0 or (0 in rates and rates[best] < self.margin * rates[0]):
             return self._plain_or_probe()
@@ -137,9 +144,12 @@ class DepthController:
                 self._fit = [self.fit_decay * a + b for a, b in zip(self._fit, (1.0, k, k * k, seconds, k * seconds))]
         if k == 0 or not accepted:
             return
-        if self._probing:  # a rejected probe doubles the wait for the next; an accepted one resets it
+        if self._probing:  # a rejected probe doubles the wait for the next; an accepted one opens a trial
             self._probing = False
-            self._wait = min(2 * self._wait, self.max_probe_every) if sum(accepted) == 0 else self.probe_every
+            if sum(accepted) == 0:
+                self._wait = min(2 * self._wait, self.max_probe_every)
+            else:
+                self._wait, self._trial = self.probe_every, self.trial_rounds
         self._successes = self.decay * self._successes + sum(accepted)
         self._trials = self.decay * self._trials + sum(n + 1 if n < k else k for n in accepted)
         grow = k - len(self._position_trials)

@@ -56,16 +56,26 @@ def accept_sampled(drafts: mx.array, q: mx.array, p: mx.array, key: mx.array, al
     return n, token.astype(drafts.dtype)
 
 
+def allowed_drafts(K: int, caps: mx.array) -> mx.array:
+    """[B, K] mask of the drafts each row may keep, from ``caps`` [B]."""
+    return mx.arange(K)[None] < caps[:, None]
+
+
+def kept_hidden(hidden: mx.array, n: mx.array) -> mx.array:
+    """The verify hidden state [B, 1, H] at each row's last kept position (n accepted drafts)."""
+    return mx.take_along_axis(hidden, n[:, None, None], axis=1)
+
+
 # The two common cases as whole graphs (compiled by the loop): every row greedy, or every row
 # sampling from the same distribution.  ``caps`` [B]: drafts each row may keep; ``hidden``
-# [B, K+1, H] verify hidden states, of which the one at the last kept position is returned.
+# [B, K+1, H]: verify hidden states.
 def accept_greedy_graph(drafts, logits, hidden, caps):
-    allowed = mx.arange(drafts.shape[1])[None] < caps[:, None]
+    allowed = allowed_drafts(drafts.shape[1], caps)
     n, token = accept_greedy(drafts, mx.argmax(logits, axis=-1).astype(mx.int32), allowed)
-    return n, token, mx.take_along_axis(hidden, n[:, None, None], axis=1)
+    return n, token, kept_hidden(hidden, n)
 
 
 def accept_sampled_graph(params: SamplingParams, drafts, q, logits, hidden, key, caps):
-    allowed = mx.arange(drafts.shape[1])[None] < caps[:, None]
+    allowed = allowed_drafts(drafts.shape[1], caps)
     n, token = accept_sampled(drafts, q, target_probs(logits, params), key, allowed)
-    return n, token, mx.take_along_axis(hidden, n[:, None, None], axis=1)
+    return n, token, kept_hidden(hidden, n)

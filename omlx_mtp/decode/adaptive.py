@@ -66,12 +66,14 @@ class DepthController:
             out.append(prior)
         return out
 
-    def expected_tokens(self, k: int) -> float:
-        total = alive = 1.0
-        for s in self.position_acceptance()[:k]:
+    def expected_tokens(self) -> list[float]:
+        """E(k) for k = 0..max_depth, in one pass over the draft positions."""
+        out = [1.0]
+        alive = 1.0
+        for s in self.position_acceptance():
             alive *= min(s, 0.999)
-            total += alive
-        return total
+            out.append(out[-1] + alive)
+        return out
 
     def _line(self) -> tuple[float, float] | None:
         """(intercept, seconds per draft) fitted to recent drafting rounds, once two depths were seen."""
@@ -82,9 +84,9 @@ class DepthController:
         slope = max((w * skt - sk * st) / spread, 0.0)
         return (st - slope * sk) / w, slope
 
-    def round_time(self, k: int) -> float | None:
-        line = self._line() if k > 0 else None
-        if line is not None:  # every drafting round informs every depth: one noisy round moves little
+    def round_time(self, k: int, line: tuple[float, float] | None) -> float | None:
+        """t(k); ``line``: ``_line()``, computed once by the caller for all depths."""
+        if k > 0 and line is not None:  # every drafting round informs every depth: one noisy round moves little
             return line[0] + line[1] * k
         if k in self.times:
             return self.times[k]
@@ -111,8 +113,9 @@ class DepthController:
             return min(self.start_depth, self.max_depth)
         if self.acceptance < self.min_acceptance:
             return self._plain_or_probe()
-        rates = {k: self.expected_tokens(k) / t for k in range(self.max_depth + 1)
-                 if (t := self.round_time(k)) is not None}
+        line = self._line()
+        rates = {k: expected / t for k, expected in enumerate(self.expected_tokens())
+                 if (t := self.round_time(k, line)) is not None}
         if self._trial:  # after an accepted probe: draft a few rounds and let them speak
             self._trial -= 1
             rates.pop(0, None)

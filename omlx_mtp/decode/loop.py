@@ -21,7 +21,8 @@ from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
 
-from .acceptance import accept_greedy, accept_greedy_graph, accept_sampled, accept_sampled_graph
+from .acceptance import (accept_greedy, accept_greedy_graph, accept_sampled, accept_sampled_graph, allowed_drafts,
+                         kept_hidden)
 from .adaptive import DepthController
 from .compiled_forward import TraceCache
 from . import cache as caches
@@ -486,14 +487,17 @@ class SpeculativeDecoder:
         if K and not any(p.greedy for p in params) and all(p.distribution_key == first for p in params):
             graph = self._traced(("accept-sampled", first), partial(accept_sampled_graph, params[0]))
             return graph(drafts, q, logits, verify_hidden, key, caps_array)
-        allowed = mx.arange(K)[None] < caps_array[:, None]
+        allowed = allowed_drafts(K, caps_array)
         greedy = [p.greedy for p in params]
-        n, nxt = accept_greedy(drafts, mx.argmax(logits, axis=-1).astype(mx.int32), allowed)
-        if not all(greedy):
-            n_s, nxt_s = accept_sampled(drafts, q, self._target_distribution(rows, logits), key, allowed)
-            is_greedy = mx.array(greedy)
-            n, nxt = mx.where(is_greedy, n, n_s), mx.where(is_greedy, nxt, nxt_s)
-        return n, nxt, mx.take_along_axis(verify_hidden, n[:, None, None], axis=1)
+        if all(greedy):  # K == 0
+            n, nxt = accept_greedy(drafts, mx.argmax(logits, axis=-1).astype(mx.int32), allowed)
+        else:
+            n, nxt = accept_sampled(drafts, q, self._target_distribution(rows, logits), key, allowed)
+            if any(greedy):
+                n_g, nxt_g = accept_greedy(drafts, mx.argmax(logits, axis=-1).astype(mx.int32), allowed)
+                is_greedy = mx.array(greedy)
+                n, nxt = mx.where(is_greedy, n_g, n), mx.where(is_greedy, nxt_g, nxt)
+        return n, nxt, kept_hidden(verify_hidden, n)
 
     def _draft(self, rows, cache, bonus, hidden, K: int, key):
         B = bonus.shape[0]
@@ -525,11 +529,8 @@ class SpeculativeDecoder:
             source = self.target.kv_source(cache, kind)
             span = self.drafter.visible_span(kind, self.target.sliding_window)
             context += [*source.state, source.table.visible(span)[:, None, None, :]]
-        lengths = cache[0].lengths
-        if all(n == lengths[0] for n in lengths):
-            query_position = mx.array(lengths[0] + self.query_offset, dtype=mx.int32)
-        else:
-            query_position = mx.array(lengths, dtype=mx.int32) + self.query_offset
+        # a scalar while every row is at the same length, else one position per row
+        query_position = mx.array(cache[0].table.offset, dtype=mx.int32) + self.query_offset
         return query_position, context
 
     # One draft step, compiled: a small drafter is dispatch-bound, and fusing its many small ops

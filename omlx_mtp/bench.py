@@ -90,6 +90,13 @@ def benchmark(session: Session, prompts: list[list[int]], draft_tokens: list, ma
 
 PEER = "mlx-vlm"
 NO_DRAFT = "no-draft"
+BASELINES = ("plain", NO_DRAFT)  # engines that never draft
+
+
+def _entry(name: str, temp: float, K, batch: int, tps: float, plain_tps: float) -> dict:
+    """One result, as the JSON's ``results`` list carries it."""
+    return {"engine": name, "temp": temp, "draft_tokens": 0 if name in BASELINES else K, "batch": batch,
+            "tokens_per_second": tps, "speedup_vs_plain": tps / plain_tps}
 
 
 def _run_peer(peer, request, temp, K, seed) -> dict:
@@ -150,11 +157,8 @@ def _bench_batch(session, requests, K, temp, continuation, repeats, say) -> list
     plain_tps = statistics.median(speeds["plain"])
     results = []
     for name, values in speeds.items():
-        tps = statistics.median(values)
-        entry = {"engine": name, "temp": temp, "draft_tokens": 0 if name in ("plain", NO_DRAFT) else K,
-                 "batch": len(requests),
-                 "tokens_per_second": tps, "speedup_vs_plain": tps / plain_tps}
-        if name in stats and name != NO_DRAFT:
+        entry = _entry(name, temp, K, len(requests), statistics.median(values), plain_tps)
+        if name in stats and name not in BASELINES:
             entry.update(acceptance_rate=stats[name].acceptance_rate, tokens_per_round=stats[name].tokens_per_round)
         results.append(entry)
         say(_row(entry))
@@ -220,9 +224,7 @@ def _bench_depth(session, requests, K, temp, continuation, repeats, say, peer=No
     costs["decode_ms"] = 1000 / plain_tps  # t_decode is a plain mlx-lm step
     results = []
     for name, values in engines.items():
-        tps = statistics.median(values)
-        entry = {"engine": name, "temp": temp, "draft_tokens": 0 if name in ("plain", NO_DRAFT) else K, "batch": 1,
-                 "tokens_per_second": tps, "speedup_vs_plain": tps / plain_tps}
+        entry = _entry(name, temp, K, 1, statistics.median(values), plain_tps)
         if name == PEER:
             entry.update(_peer_rates(peer_stats))
         if name in stats:
@@ -342,7 +344,7 @@ def plot_speedups(results: list[dict], path, title: str) -> None:
     plt = _pyplot()
     lines: dict = {}
     for e in results:
-        if e["engine"] not in ("plain", NO_DRAFT) and isinstance(e["draft_tokens"], int) and "query_position" not in e:
+        if e["engine"] not in BASELINES and isinstance(e["draft_tokens"], int) and "query_position" not in e:
             lines.setdefault((e["engine"], e["temp"], e["batch"]), []).append((e["draft_tokens"], e["speedup_vs_plain"]))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for (engine, temp, batch), points in sorted(lines.items()):

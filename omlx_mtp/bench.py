@@ -37,7 +37,7 @@ def component_costs(session: Session, prompt: list[int], K: int) -> dict:
     """Milliseconds for one verify of K+1 positions and one draft step."""
     target = session.target
     cache = target.make_cache(1, slack=max(len(prompt), K + 1))
-    hidden = target.body(mx.array([prompt]), cache=cache)
+    hidden = target.hidden(mx.array([prompt]), cache)
     caches.advance(cache, len(prompt))
     mx.eval(hidden)
     length = cache[0].lengths[0]

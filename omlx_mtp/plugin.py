@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from .decode.target import Gemma4Target
+from .targets import wrap_target
 from .drafters import load_drafter, load_merged_drafter
 from .errors import MTPError
 from .hookspecs import hookimpl
@@ -54,7 +54,7 @@ def omlx_load_drafter(model_id: str, model_path: str, model, settings: dict):
         parsed = validate(settings, f"settings of {model_id}")
         if not parsed.mtp_enabled:
             return None
-        target = Gemma4Target(model)
+        target = wrap_target(model)
         if parsed.mtp_drafter:
             drafter_dir = Path(parsed.mtp_drafter)
             if not drafter_dir.is_absolute():

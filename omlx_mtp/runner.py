@@ -11,7 +11,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from .decode.loop import DecodeStats, Request, RowState, SpeculativeDecoder
-from .decode.target import Gemma4Target
+from .targets import Target, wrap_target
 from .drafters import load_drafter, load_merged_drafter
 from .errors import MTPError
 from .models import load_target
@@ -55,7 +55,7 @@ class Outcome:
 class Session:
     """A loaded target (and optional drafter) that can run requests either way."""
 
-    def __init__(self, target: Gemma4Target, tokenizer=None, drafter=None, draft_tokens: int | str = 3,
+    def __init__(self, target: Target, tokenizer=None, drafter=None, draft_tokens: int | str = 3,
                  query_offset: int = 0, max_draft_tokens: int = 8):
         self.target = target
         self.model = target.model
@@ -69,7 +69,7 @@ class Session:
              **kwargs) -> "Session":
         """``merged``: without a drafter directory, use an assistant merged into the checkpoint."""
         model, tokenizer, _ = load_target(model_dir)
-        target = Gemma4Target(model)
+        target = wrap_target(model)
         drafter = None
         if drafter_dir is not None:
             drafter = load_drafter(drafter_dir, target)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .decode.loop import QUERY_AT_BONUS, QUERY_AT_LAST, SpeculativeDecoder
-from .decode.target import Gemma4Target
+from .targets import wrap_target
 from .settings import MTPSettings
 
 
@@ -18,7 +18,7 @@ class MTPStrategy:
     @classmethod
     def build(cls, model, drafter, settings: MTPSettings) -> "MTPStrategy":
         offset = QUERY_AT_BONUS if settings.mtp_query_position == "bonus" else QUERY_AT_LAST
-        decoder = SpeculativeDecoder(Gemma4Target(model), drafter, draft_tokens=settings.mtp_draft_tokens,
+        decoder = SpeculativeDecoder(wrap_target(model), drafter, draft_tokens=settings.mtp_draft_tokens,
                                      query_offset=offset, max_draft_tokens=settings.mtp_max_draft_tokens,
                                      min_acceptance=settings.mtp_min_acceptance)
         return cls("omlx-mtp", decoder, settings)

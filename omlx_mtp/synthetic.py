@@ -11,7 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models import gemma4_text
 
-from .decode.target import Gemma4Target
+from .targets import wrap_target
 from .drafters.gemma4_assistant import Gemma4AssistantDrafter, normalize_assistant_config
 from .errors import MTPError
 from .gemma4_config import FULL, GEMMA4_ROPE, SLIDING
@@ -54,4 +54,4 @@ def synthetic_pair(name: str, layers: int = 2, dtype: str = "bfloat16"):
     drafter = Gemma4AssistantDrafter(normalize_assistant_config(assistant, name))
     drafter.set_dtype(getattr(mx, dtype))
     mx.eval(drafter.parameters())
-    return Gemma4Target(model), drafter
+    return wrap_target(model), drafter

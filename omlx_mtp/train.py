@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import gemma4_text
 
 from .decode import cache as caches
-from .decode.target import Gemma4Target
+from .targets import Target, wrap_target
 from .drafters.gemma4_assistant import Gemma4AssistantDrafter, normalize_assistant_config
 from .gemma4_config import FULL, GEMMA4_ROPE, SLIDING, normalize_text_config
 from .tiny import CHAT_TEMPLATE, SPECIAL_TOKENS
@@ -183,7 +183,7 @@ def train_target(model, tokens: np.ndarray, steps: int, batch: int, seq_len: int
             log(f"target step {i:5d}  loss {loss.item():.3f}  {time.perf_counter() - start:6.0f}s")
 
 
-def target_views(target: Gemma4Target, data: mx.array):
+def target_views(target: Target, data: mx.array):
     """One target forward over whole sequences: logits, final-normed hidden, and the K/V of the
     layers the drafter reads (slot == position: the ring is made large enough not to wrap)."""
     B, L = data.shape
@@ -195,7 +195,7 @@ def target_views(target: Gemma4Target, data: mx.array):
     return mx.stop_gradient(logits), mx.stop_gradient(hidden), {k: tuple(map(mx.stop_gradient, v)) for k, v in kv.items()}
 
 
-def drafter_masks(drafter, target: Gemma4Target, first: int, count: int, length: int) -> dict:
+def drafter_masks(drafter, target: Target, first: int, count: int, length: int) -> dict:
     """Query n (bonus at position first + n) sees committed positions < first + n."""
     bonus = first + mx.arange(count)[:, None]
     key = mx.arange(length)[None]
@@ -209,7 +209,7 @@ def drafter_masks(drafter, target: Gemma4Target, first: int, count: int, length:
     return masks
 
 
-def distill_loss(drafter, target: Gemma4Target, data: mx.array, K: int, query_offset: int = 0):
+def distill_loss(drafter, target: Target, data: mx.array, K: int, query_offset: int = 0):
     logits, hidden, kv = target_views(target, data)
     B, L = data.shape
     first, count = 1, L - K - 1  # bonus positions 1 .. L-K-1 all at once
@@ -225,7 +225,7 @@ def distill_loss(drafter, target: Gemma4Target, data: mx.array, K: int, query_of
     return total / K
 
 
-def train_drafter(drafter, target: Gemma4Target, tokens: np.ndarray, steps: int, batch: int, seq_len: int,
+def train_drafter(drafter, target: Target, tokens: np.ndarray, steps: int, batch: int, seq_len: int,
                   lr: float, K: int = 3, log=print):
     target.model.freeze()
     optimizer = optim.AdamW(learning_rate=optim.cosine_decay(lr, steps, lr / 10), weight_decay=0.01)
@@ -273,7 +273,7 @@ def build_pair(out: Path, spec: PairSpec, target_steps: int, drafter_steps: int,
     init_small(model, seed=0)
     train_target(model, tokens, target_steps, batch, spec.seq_len, lr=3e-3, log=log)
     save_checkpoint(model, config, target_dir)
-    target = Gemma4Target(model)
+    target = wrap_target(model)
     drafter_config = assistant_config(spec, config)
     drafter = Gemma4AssistantDrafter(normalize_assistant_config(drafter_config, "assistant"))
     init_small(drafter, seed=1)
@@ -290,7 +290,7 @@ def distill_assistant(target_dir: Path, out: Path, spec: PairSpec, steps: int, b
     model, tokenizer, config = load_target(target_dir)
     corpus = stdlib_corpus(spec.corpus_bytes)
     tokens = np.array(tokenizer.encode(corpus), dtype=np.int32)
-    target = Gemma4Target(model)
+    target = wrap_target(model)
     drafter_config = assistant_config(spec, config)
     drafter = Gemma4AssistantDrafter(normalize_assistant_config(drafter_config, "assistant"))
     init_small(drafter, seed=1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from omlx_mtp.decode.target import Gemma4Target
+from omlx_mtp.targets import wrap_target
 from omlx_mtp.drafters import load_drafter
 from omlx_mtp.models import load_target
 from omlx_mtp.tiny import TinySpec, write_pair
@@ -22,7 +22,7 @@ class Pair:
         self.spec = spec
         self.target_dir, self.drafter_dir = write_pair(directory, spec)
         self.model, self.tokenizer, self.config = load_target(self.target_dir)
-        self.target = Gemma4Target(self.model)
+        self.target = wrap_target(self.model)
         self.drafter = load_drafter(self.drafter_dir, self.target)
 
 

@@ -106,7 +106,7 @@ def test_rounds_that_compiled_a_graph_are_not_timed(pair_31b):
     decoder = SpeculativeDecoder(pair_31b.target, pair_31b.drafter, draft_tokens="auto")
     batch = decoder.batch()
     rows = [batch.new_row(Request(prompts(1, pair_31b.spec.vocab_size)[0], max_tokens=40))]
-    cache, hidden, logits = decoder._prefill([list(rows[0].request.prompt)], slack=batch.max_depth + 1)
+    cache, hidden, logits = decoder._prefill([rows[0].request], slack=batch.max_depth + 1)
     batch.start(rows, cache, hidden, logits)
     controller = rows[0].controller
     rows[0].pending_depth = 2

@@ -16,7 +16,7 @@ from mlx_lm.generate import generate_step
 
 from omlx_mtp.decode.loop import Request, SpeculativeDecoder
 from omlx_mtp.decode.oracle import OracleDrafter
-from omlx_mtp.decode.target import Gemma4Target
+from omlx_mtp.targets import wrap_target
 from omlx_mtp.drafters import load_drafter
 from omlx_mtp.models import load_target
 
@@ -53,7 +53,7 @@ def lowered(pair_dir, drafter_dir, quantize: bool):
     if quantize:
         nn.quantize(model, group_size=32, bits=4,
                     class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0)
-    target = Gemma4Target(model)
+    target = wrap_target(model)
     drafter = load_drafter(drafter_dir, target)
     drafter.set_dtype(mx.bfloat16)
     return model, target, drafter

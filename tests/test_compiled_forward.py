@@ -7,7 +7,7 @@ import numpy as np
 
 from omlx_mtp.decode import cache as caches
 from omlx_mtp.decode.compiled_forward import compiled_forward_exact
-from omlx_mtp.decode.target import Gemma4Target
+from omlx_mtp.targets import wrap_target
 
 from .conftest import prompts
 
@@ -17,7 +17,7 @@ def _prefilled(target, prompt_list, slack):
     per_row = []
     for prompt in prompt_list:
         cache = target.make_cache(1, slack=max(slack, len(prompt)))
-        target.body(mx.array([prompt]), cache=cache)
+        target.hidden(mx.array([prompt]), cache)
         caches.advance(cache, len(prompt))
         caches.shrink_slack(cache, slack)
         per_row.append(cache)
@@ -25,8 +25,8 @@ def _prefilled(target, prompt_list, slack):
 
 
 def test_compiled_forward_matches_uncompiled_across_rollbacks_and_the_window(pair):
-    plain = Gemma4Target(pair.model, compiled=False)
-    compiled = Gemma4Target(pair.model, compiled=True)
+    plain = wrap_target(pair.model, compiled=False)
+    compiled = wrap_target(pair.model, compiled=True)
     vocab = plain.vocab_size
     for batch in ([5], [9, 23]):  # one row; two rows at different lengths
         rows = prompts(len(batch), vocab, seed=3, lengths=batch)
@@ -49,7 +49,7 @@ def test_compiled_forward_matches_uncompiled_across_rollbacks_and_the_window(pai
 
 
 def test_traces_are_reused_and_bounded(pair):
-    target = Gemma4Target(pair.model, compiled=True)
+    target = wrap_target(pair.model, compiled=True)
     cache = _prefilled(target, prompts(1, target.vocab_size, lengths=[7]), 6)
     traces = target.compiled.traces
     for L in (1, 2, 1, 2, 1):
@@ -63,7 +63,7 @@ def test_traces_are_reused_and_bounded(pair):
 
 
 def test_long_forwards_and_empty_caches_run_uncompiled(pair):
-    target = Gemma4Target(pair.model, compiled=True)
+    target = wrap_target(pair.model, compiled=True)
     cache = target.make_cache(1, slack=32)
     assert not target.compiled.accepts(mx.zeros((1, 2), dtype=mx.int32), cache)  # nothing prefilled
     target.forward(mx.zeros((1, 20), dtype=mx.int32), cache)
@@ -84,4 +84,4 @@ def test_full_attention_buffers_grow_geometrically():
 
 
 def test_compiled_by_default_where_it_is_exact(pair):
-    assert (Gemma4Target(pair.model).compiled is not None) == compiled_forward_exact()
+    assert (wrap_target(pair.model).compiled is not None) == compiled_forward_exact()

@@ -16,7 +16,7 @@ import pytest
 
 from omlx_mtp.decode.loop import Request, SpeculativeDecoder
 from omlx_mtp.decode.sampling import SamplingParams, log_softmax, target_probs
-from omlx_mtp.decode.target import Gemma4Target
+from omlx_mtp.targets import wrap_target
 from omlx_mtp.drafters import load_drafter
 from omlx_mtp.models import load_target
 from omlx_mtp.tiny import TinySpec, write_pair
@@ -34,7 +34,7 @@ SPEC = TinySpec(vocab_size=VOCAB, hidden_size=64, num_layers=3, embed_std=0.15, 
 def small(tmp_path_factory):
     target_dir, drafter_dir = write_pair(tmp_path_factory.mktemp("small"), SPEC)
     model, _, _ = load_target(target_dir, with_tokenizer=False)
-    target = Gemma4Target(model)
+    target = wrap_target(model)
     return model, target, load_drafter(drafter_dir, target)
 
 

@@ -119,7 +119,7 @@ class CompiledForward:
         for layer, t in enumerate(self._layout):
             slots, mask = per_table[2 * t], per_table[2 * t + 1]
             shims.append(_TracedSlots(buffers[2 * layer], buffers[2 * layer + 1], slots, mask, offsets))
-        hidden = self.target.body(tokens, cache=shims)
+        hidden = self.target.hidden(tokens, shims)
         out = [self.target.head(hidden), hidden]
         for shim in shims:
             out += [shim.keys, shim.values]

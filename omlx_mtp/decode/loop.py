@@ -27,7 +27,7 @@ from .adaptive import DepthController
 from .compiled_forward import TraceCache
 from . import cache as caches
 from .sampling import SamplingParams, draft_probs, log_softmax, target_probs
-from .target import Gemma4Target
+from ..targets.base import PromptEmbeddings, Target
 
 QUERY_AT_BONUS = 0  # drafter query at the bonus token's position N (HF transformers)
 QUERY_AT_LAST = -1  # at N - 1, the position of the hidden state (vLLM, mlx-vlm)
@@ -70,6 +70,7 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int = 256
     stop_tokens: frozenset = frozenset()
+    embeddings: PromptEmbeddings | None = None  # the prompt's input embeddings when it holds images or audio
 
 
 @dataclass(eq=False)  # rows are compared by identity
@@ -338,7 +339,7 @@ class LiveBatch:
 class SpeculativeDecoder:
     def __init__(
         self,
-        target: Gemma4Target,
+        target: Target,
         drafter,
         draft_tokens: int | str = 3,
         query_offset: int = QUERY_AT_BONUS,
@@ -373,7 +374,7 @@ class SpeculativeDecoder:
         """Yield (rows, new tokens per row) after the first token and after every round."""
         batch = self.batch(draft_tokens, seed)
         rows = [batch.new_row(r) for r in requests]
-        cache, hidden, logits = self._prefill([list(r.prompt) for r in requests], slack=batch.max_depth + 1)
+        cache, hidden, logits = self._prefill(requests, slack=batch.max_depth + 1)
         yield rows, batch.start(rows, cache, hidden, logits)
         index = {id(row): i for i, row in enumerate(rows)}
         while batch.rows:
@@ -388,23 +389,28 @@ class SpeculativeDecoder:
         return LiveBatch(self, self.draft_tokens if draft_tokens is None else draft_tokens, seed)
 
     # -- steps ----------------------------------------------------------------------------
-    def _prefill(self, prompts: list[list[int]], slack: int):
-        """Prefill each distinct prompt once; rows with the same prompt share the result."""
-        distinct: dict[tuple, int] = {}
-        for prompt in prompts:
-            distinct.setdefault(tuple(prompt), len(distinct))
-        done = [self._prefill_one(list(p), slack) for p in distinct]
-        pick = [distinct[tuple(p)] for p in prompts]
+    def _prefill(self, requests: Sequence[Request], slack: int):
+        """Prefill each distinct prompt once; rows with the same prompt (and embeddings) share the result."""
+        keys = [(tuple(r.prompt), id(r.embeddings)) for r in requests]
+        firsts: dict[tuple, Request] = {}
+        for key, request in zip(keys, requests):
+            firsts.setdefault(key, request)
+        index = {key: i for i, key in enumerate(firsts)}
+        done = [self._prefill_one(list(r.prompt), slack, embeddings=r.embeddings) for r in firsts.values()]
+        pick = [index[key] for key in keys]
         cache = caches.stack_caches([done[j][0] for j in pick]) if len(pick) > 1 else done[0][0]
         hidden = mx.concatenate([done[j][1] for j in pick], axis=0)
         logits = mx.concatenate([done[j][2] for j in pick], axis=0)
         return cache, hidden, logits
 
-    def _prefill_one(self, prompt: list[int], slack: int, cache=None):
+    def _prefill_one(self, prompt: list[int], slack: int, cache=None, embeddings: PromptEmbeddings | None = None):
         """Run the prompt through the target (into ``cache`` when given, which must have room for
-        a chunk: ``prefill_slack``); returns the cache with ``slack``, last hidden and logits."""
+        a chunk: ``prefill_slack``); returns the cache with ``slack``, last hidden and logits.
+        ``embeddings`` stand in for the prompt's token embeddings (images, audio)."""
         if not prompt:
             raise ValueError("empty prompt")
+        if embeddings is not None and len(embeddings) != len(prompt):
+            raise ValueError(f"embeddings cover {len(embeddings)} positions, the prompt {len(prompt)}")
         step = self.prefill_step
         if cache is None:
             cache = self.target.make_cache(1, slack=self.prefill_slack(slack))
@@ -412,7 +418,8 @@ class SpeculativeDecoder:
         for start in range(0, len(prompt), step):
             chunk = tokens[:, start : start + step]
             last = start + step >= len(prompt)
-            hidden = self.target.body(chunk, cache=cache)
+            part = None if embeddings is None else embeddings.chunk(start, start + step)
+            hidden = self.target.hidden(chunk, cache, embeddings=part)
             caches.advance(cache, chunk.shape[1])
             if not last:
                 mx.eval([c.state for c in cache])
@@ -427,7 +434,7 @@ class SpeculativeDecoder:
         (the token that follows its committed ones) when ``length`` is one more."""
         have = cache[0].lengths[0]
         if length == have + 1:
-            self.target.body(pending[:, None], cache=cache)
+            self.target.hidden(pending[:, None], cache)
             caches.advance(cache, 1)
         elif length <= have:
             caches.commit(cache, [length])

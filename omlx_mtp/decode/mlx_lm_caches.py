@@ -1,5 +1,9 @@
 """Moving a request's K/V between mlx-lm's caches (a host's prefill, its prefix cache) and ours.
 
+mlx-vlm's caches speak the same protocol (mlx-vlm up to 0.5 re-exports mlx-lm's classes, later
+releases have copies of them), so both are read here; caches go back as the target's own host
+classes (``target.cache_classes``), the ones the host would have made.
+
 In: an mlx-lm ``KVCache`` holds positions 0..offset-1 in order; a ``RotatingKVCache`` (keep=0)
 holds the latest ones in a ring, put back in time order by its own ``_temporal_order``.  Each kept
 position p lands in our slot p (full layers) or p mod capacity (sliding ring).
@@ -11,7 +15,6 @@ for the same tokens — so a host can store or reuse them as if plain decoding h
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ..errors import MTPError
 from .cache import PositionalKVCache, tables_of
@@ -47,8 +50,9 @@ def from_mlx_lm(target, layer_caches: list, slack: int) -> list[PositionalKVCach
     return ours
 
 
-def to_mlx_lm(caches: list[PositionalKVCache], row: int = 0) -> list:
-    """Row ``row``'s committed positions -> mlx-lm KVCache / RotatingKVCache objects."""
+def to_mlx_lm(target, caches: list[PositionalKVCache], row: int = 0) -> list:
+    """Row ``row``'s committed positions -> the host's KVCache / RotatingKVCache objects."""
+    KVCache, RotatingKVCache = target.cache_classes
     out = []
     for cache in caches:
         table = cache.table
@@ -70,13 +74,24 @@ def to_mlx_lm(caches: list[PositionalKVCache], row: int = 0) -> list:
     return out
 
 
+def _kind(layer) -> str | None:
+    """"full" or "sliding" for mlx-lm's (and mlx-vlm's) KVCache and RotatingKVCache, and for a
+    host's subclasses of them that keep their storage (oMLX's PrefillReadyRotatingKVCache); the
+    library's own other caches (chunked, quantized, batched, TurboQuant) store K/V differently."""
+    for cls in type(layer).__mro__:
+        if cls.__module__.startswith(("mlx_lm.models.cache", "mlx_vlm.models.cache")):
+            return {"KVCache": "full", "RotatingKVCache": "sliding"}.get(cls.__name__)
+    return None
+
+
 def _time_ordered(layer):
     """(keys, values, offset) with keys/values in time order, ending at position offset-1."""
-    if not isinstance(layer, (KVCache, RotatingKVCache)):
-        raise MTPError(f"cannot read K/V from a {type(layer).__name__}")
+    kind = _kind(layer)
+    if kind is None:
+        raise MTPError(f"cannot read K/V from a {type(layer).__module__}.{type(layer).__name__}")
     if layer.keys is None or layer.offset == 0:
         return None, None, 0
-    if isinstance(layer, KVCache):
+    if kind == "full":
         return layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :], layer.offset
     if layer.keep:
         raise MTPError("a RotatingKVCache with keep > 0 is not supported")

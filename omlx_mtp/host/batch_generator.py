@@ -174,7 +174,7 @@ class MTPBatchGenerator:
         return out
 
     def _attach_cache(self, response, row, cache) -> None:
-        response.prompt_cache = to_mlx_lm(cache)
+        response.prompt_cache = to_mlx_lm(self.decoder.target, cache)
         self.totals = DecodeStats.pooled([self.totals, row.stats])
         if "all_tokens" in self._response_fields:
             response.all_tokens = list(row.request.prompt) + row.generated + (

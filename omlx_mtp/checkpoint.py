@@ -39,11 +39,12 @@ def safetensors_files(path: str | Path) -> list[Path]:
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise CheckpointError(f"{index}: names shard(s) that do not exist: {', '.join(missing)}")
-        return files
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{directory}: no *.safetensors weight files")
-    return files
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{directory}: no *.safetensors weight files")
+    # MTP tensors of a multimodal checkpoint written here (``mtp_tensors.mtp_shard``).
+    return files + [f for f in sorted((directory / "mtp").glob("*.safetensors")) if f not in files]
 
 
 def check_safetensors_header(file: Path) -> list[str]:

@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "not needed for a checkpoint with a merged assistant")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    gen.add_argument("--image", action="append", default=[], metavar="PATH",
+                     help="an image for a multimodal checkpoint (repeat for several; the prompt is chat-templated)")
     gen.add_argument("--no-mtp", action="store_true", help="plain decoding")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     _add_sampling(gen)
@@ -133,8 +135,13 @@ def cmd_generate(args) -> int:
         max_draft_tokens=args.max_draft_tokens,
         query_offset=QUERY_POSITIONS[args.query_position],
     )
-    prompt = session.encode(args.prompt, chat=args.chat)
-    request = Request(prompt, params, args.max_tokens, session.stop_tokens())
+    if args.image:
+        from .multimodal import image_request
+
+        request = image_request(args.model, session.target.model, args.prompt, args.image, chat=True, params=params,
+                                max_tokens=args.max_tokens, stop_tokens=session.stop_tokens())
+    else:
+        request = Request(session.encode(args.prompt, chat=args.chat), params, args.max_tokens, session.stop_tokens())
     outcome = session.run(request, mtp=not args.no_mtp, seed=args.seed)
     result = outcome.as_dict(session.tokenizer)
     if args.json:
@@ -160,8 +167,8 @@ def cmd_demo(args) -> int:
 def cmd_bench(args) -> int:
     from .bench import run_bench
 
-    if (args.model is None) != (args.drafter is None):
-        raise MTPError("bench: pass both --model and --drafter, or neither (embedded pair)")
+    if args.drafter is not None and args.model is None:
+        raise MTPError("bench: --drafter needs --model")
     if args.synthetic and args.model:
         raise MTPError("bench: --synthetic and --model exclude each other")
     try:

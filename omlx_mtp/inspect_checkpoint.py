@@ -61,6 +61,11 @@ def inspect_checkpoint(directory: str | Path) -> dict:
                     for n in sorted(mtp_names)},
     }
 
+    report["towers"] = _towers(config, infos, quantization)
+    for kind, tower in report["towers"].items():
+        if tower["configured"] and not tower["count"]:
+            report["problems"].append(f"config.json configures a {kind} tower but the checkpoint has no {kind} tensors")
+
     merged = merged_assistant_config(config)
     if merged is not None:
         assistant, prefix = merged
@@ -76,6 +81,20 @@ def inspect_checkpoint(directory: str | Path) -> dict:
     else:
         report["drafter"] = None
     return report
+
+
+# Tensor names of the multimodal towers (mlx-vlm's names and the Hugging Face release's "model." ones).
+_TOWERS = {"vision": ("vision_tower.", "embed_vision."), "audio": ("audio_tower.", "embed_audio.")}
+
+
+def _towers(config: dict, infos: dict, quantization: dict | None) -> dict:
+    out = {}
+    for kind, prefixes in _TOWERS.items():
+        names = [n for n in infos if n.removeprefix("model.").startswith(prefixes)]
+        precision = Counter(_precision(n, infos, quantization) for n in names if not n.endswith((".scales", ".biases")))
+        out[kind] = {"configured": bool(config.get(f"{kind}_config")), "count": len(names),
+                     "bytes": sum(_size(infos[n][1], infos[n][2]) for n in names), "precision": dict(precision)}
+    return out
 
 
 def _describe_assistant(assistant: dict, target_config: dict | None, where: str) -> dict:
@@ -115,6 +134,10 @@ def render(report: dict) -> str:
             lines.append(f"MTP tensors: {mtp['count']} ({mtp['bytes'] / 1e6:.1f} MB) [{families}] precision [{precision}]")
         else:
             lines.append("MTP tensors: none")
+        for kind, tower in report.get("towers", {}).items():
+            if tower["configured"] or tower["count"]:
+                precision = ", ".join(f"{k}: {v}" for k, v in tower["precision"].items())
+                lines.append(f"{kind} tower: {tower['count']} tensors ({tower['bytes'] / 1e6:.1f} MB) precision [{precision}]")
         drafter = report.get("drafter")
         if drafter:
             kind = "merged assistant" if drafter["merged"] else "assistant checkpoint"

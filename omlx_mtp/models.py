@@ -1,4 +1,5 @@
-"""Loading targets (through mlx-lm) with clear errors for user mistakes."""
+"""Loading targets with clear errors for user mistakes: text checkpoints through mlx-lm, multimodal
+ones (a ``vision_config`` or ``audio_config``) through mlx-vlm, as oMLX loads them."""
 
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ def target_config_overrides(config: dict, where: str) -> dict:
     return {}
 
 
+def is_multimodal(config: dict) -> bool:
+    """Whether hosts load this checkpoint as a VLM (oMLX's rule: a vision or audio tower is configured)."""
+    return bool(config.get("vision_config") or config.get("audio_config"))
+
+
 def load_target(path: str | Path, with_tokenizer: bool = True):
     """Return (model, tokenizer or None, config) for a Gemma 4 checkpoint directory."""
     directory = Path(path)
@@ -35,10 +41,12 @@ def load_target(path: str | Path, with_tokenizer: bool = True):
         )
     for file in safetensors_files(directory):
         check_safetensors_header(file)
-    overrides = target_config_overrides(config, str(directory / "config.json"))
     try:
-        model, _ = load_model(directory, model_config=overrides)
-    except ValueError as exc:  # mlx-lm reports missing/extra/mis-shaped weights this way
+        if is_multimodal(config):
+            model = _load_vlm(directory)
+        else:
+            model, _ = load_model(directory, model_config=target_config_overrides(config, str(directory / "config.json")))
+    except ValueError as exc:  # mlx-lm and mlx-vlm report missing/extra/mis-shaped weights this way
         raise CheckpointError(f"{directory}: weights do not match config.json ({exc})") from None
     tokenizer = None
     if with_tokenizer:
@@ -47,3 +55,25 @@ def load_target(path: str | Path, with_tokenizer: bool = True):
         except Exception as exc:  # transformers raises many kinds here
             raise CheckpointError(f"{directory}: no usable tokenizer ({exc})") from None
     return model, tokenizer, config
+
+
+def _load_vlm(directory: Path):
+    try:
+        from mlx_vlm.utils import load_model as load_vlm_model
+    except ImportError:
+        raise CheckpointError(f"{directory}: a multimodal checkpoint (vision_config) loads through mlx-vlm, which "
+                              "is not installed (pip install 'omlx-mtp[vlm]')") from None
+    return load_vlm_model(directory)
+
+
+def load_processor(path: str | Path):
+    """mlx-vlm's processor of a multimodal checkpoint (images and audio into model inputs)."""
+    directory = Path(path)
+    if not is_multimodal(read_config(directory)):
+        raise CheckpointError(f"{directory}: not a multimodal checkpoint (no vision_config); --image needs one")
+    from mlx_vlm.utils import load_processor as load_vlm_processor
+
+    try:
+        return load_vlm_processor(directory, True)
+    except Exception as exc:  # transformers raises many kinds here
+        raise CheckpointError(f"{directory}: no usable image processor ({exc})") from None

@@ -54,3 +54,13 @@ def mtp_family(name: str, config: dict) -> str | None:
 
 def is_mtp_tensor(name: str, config: dict | None = None) -> bool:
     return mtp_family(name, config or {}) is not None
+
+
+def mtp_shard(config: dict) -> str:
+    """Where a checkpoint written here keeps its MTP tensors, relative to its directory.  Beside
+    the trunk for text checkpoints (mlx-lm loads ``model*.safetensors`` only; the index lists the
+    file); in a sub-directory, left out of the index, for multimodal ones: mlx-vlm loads every
+    ``*.safetensors`` beside config.json and every shard its index names, and refuses tensors its
+    model has no place for."""
+    multimodal = bool(config.get("vision_config") or config.get("audio_config"))
+    return "mtp/mtp.safetensors" if multimodal else "mtp.safetensors"

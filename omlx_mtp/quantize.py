@@ -27,11 +27,10 @@ from mlx_lm.utils import _get_classes
 from .checkpoint import load_weights, read_config, tensor_infos
 from .drafters.gemma4_assistant import check_config_fits, normalize_assistant_config
 from .errors import MTPError
-from .models import target_config_overrides
-from .mtp_tensors import is_mtp_tensor
+from .models import is_multimodal, target_config_overrides
+from .mtp_tensors import is_mtp_tensor, mtp_shard
 
 MODES = {"affine": None, "mxfp4": (32, 4), "mxfp8": (32, 8), "nvfp4": (16, 4)}  # mode -> fixed (group, bits)
-MTP_SHARD = "mtp.safetensors"
 COPIED = ("*.json", "*.jinja", "tokenizer.model", "*.tiktoken", "*.txt")
 SKIPPED = {"config.json", "model.safetensors.index.json"}
 
@@ -104,22 +103,23 @@ class _ShardWriter:
         self._file.close()
         written = Path(self._file.name)
         if filename is not None:
+            (self.directory / filename).parent.mkdir(parents=True, exist_ok=True)
             os.rename(written, self.directory / filename)
             written = self.directory / filename
-        self.files.append((written.name, list(self._entries)))
+        self.files.append((str(written.relative_to(self.directory)), list(self._entries)))
         self._file, self._entries, self._size = None, {}, 0
 
-    def finish(self) -> dict:
-        """Give the trunk shards mlx-lm's names and return the index's weight_map."""
+    def finish(self, mtp_files: list[tuple[str, list[str]]], index_mtp: bool) -> dict:
+        """Give the trunk shards mlx-lm's names and return the index's weight_map (with the MTP
+        files' tensors when ``index_mtp``)."""
         self.flush()
-        trunk = [(f, names) for f, names in self.files if f != MTP_SHARD]
         weight_map = {}
-        for i, (old, names) in enumerate(trunk, start=1):
-            new = "model.safetensors" if len(trunk) == 1 else f"model-{i:05d}-of-{len(trunk):05d}.safetensors"
+        for i, (old, names) in enumerate(self.files, start=1):
+            new = "model.safetensors" if len(self.files) == 1 else f"model-{i:05d}-of-{len(self.files):05d}.safetensors"
             os.rename(self.directory / old, self.directory / new)
             weight_map.update({n: new for n in names})
-        for f, names in self.files:
-            if f == MTP_SHARD:
+        if index_mtp:
+            for f, names in mtp_files:
                 weight_map.update({n: f for n in names})
         return weight_map
 
@@ -132,6 +132,32 @@ def _model_for(config: dict, where: str):
     except ValueError:  # a model type mlx-lm does not know: names are kept as they are
         return None
     return model_class(args_class.from_dict(merged))
+
+
+def _multimodal_trunk(src: Path):
+    """(mlx-vlm's model, its parameters by name, quantization predicate) for a multimodal checkpoint,
+    as mlx-vlm's own conversion sees it: every tensor through the model's sanitizers (towers
+    included, in mlx-vlm's names), the towers left unquantized, the rest by the model's own rules.
+    The parameters stay lazy: nothing is read until a tensor is written."""
+    try:
+        from mlx.utils import tree_flatten
+        from mlx_vlm.utils import load_model as load_vlm_model
+        from mlx_vlm.utils import skip_multimodal_module
+    except ImportError:
+        raise MTPError(f"{src}: a multimodal checkpoint (vision_config) is converted through mlx-vlm, which is "
+                       "not installed (pip install 'omlx-mtp[vlm]')") from None
+    try:
+        model = load_vlm_model(src, lazy=True)
+    except ValueError as exc:
+        raise MTPError(f"{src}: mlx-vlm cannot build this checkpoint ({exc})") from None
+    own = getattr(model, "quant_predicate", None)
+
+    def predicate(path, module):
+        if skip_multimodal_module(path):
+            return False
+        return own(path, module) if own is not None else True
+
+    return model, dict(tree_flatten(model.parameters())), predicate
 
 
 def quantize(src: str | Path, out: str | Path, options: QuantizeOptions, assistant: str | Path | None = None,
@@ -157,14 +183,17 @@ def quantize(src: str | Path, out: str | Path, options: QuantizeOptions, assista
         tensor_infos(assistant)
 
     dtype = getattr(mx, options.dtype)
-    model = _model_for(config, str(src / "config.json"))
     lazy = load_weights(src)  # lazy: nothing is read until a tensor is evaluated
     mtp = {k: v for k, v in lazy.items() if is_mtp_tensor(k, config)}
-    trunk = {k: v for k, v in lazy.items() if k not in mtp}
-    if model is not None and hasattr(model, "sanitize"):
-        trunk = model.sanitize(trunk)
+    if is_multimodal(config):
+        model, trunk, predicate = _multimodal_trunk(src)
+    else:
+        model = _model_for(config, str(src / "config.json"))
+        trunk = {k: v for k, v in lazy.items() if k not in mtp}
+        if model is not None and hasattr(model, "sanitize"):
+            trunk = model.sanitize(trunk)
+        predicate = getattr(model, "quant_predicate", None)
     modules = dict(model.named_modules()) if model is not None else {}
-    predicate = getattr(model, "quant_predicate", None)
     default = options.scheme()
     quant_config = dict(default)
 
@@ -180,7 +209,7 @@ def quantize(src: str | Path, out: str | Path, options: QuantizeOptions, assista
             jobs.append((prefix + name, array, _mtp_scheme(name, array, options, head=head), True))
     # Only `jobs` may reference the lazy source arrays: each is dropped once written, so the
     # evaluated data of finished tensors is freed and memory stays bounded.
-    del lazy, trunk, mtp, model, modules
+    del lazy, trunk, mtp, model, modules, predicate
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
@@ -203,9 +232,8 @@ def quantize(src: str | Path, out: str | Path, options: QuantizeOptions, assista
                     quant_config[name[: -len(".weight")]] = dict(scheme)
                 bar.update(size)
                 bar.set_postfix_str(f"{count - len(jobs)}/{count} tensors")
-        mtp_writer.flush(MTP_SHARD)
-        writer.files.extend(mtp_writer.files)
-        weight_map = writer.finish()
+        mtp_writer.flush(mtp_shard(config))
+        weight_map = writer.finish(mtp_writer.files, index_mtp=not is_multimodal(config))
         (staging / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": sum((staging / f).stat().st_size for f in set(weight_map.values()))},
                         "weight_map": dict(sorted(weight_map.items()))}, indent=2)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
 
 from .decode.loop import DecodeStats, Request, RowState, SpeculativeDecoder
 from .targets import Target, wrap_target
@@ -58,7 +59,7 @@ class Session:
     def __init__(self, target: Target, tokenizer=None, drafter=None, draft_tokens: int | str = 3,
                  query_offset: int = 0, max_draft_tokens: int = 8):
         self.target = target
-        self.model = target.model
+        self.model = target.plain_model()  # what mlx-lm's own decode loops call
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.decoder = SpeculativeDecoder(target, drafter, draft_tokens=draft_tokens, query_offset=query_offset,
@@ -118,16 +119,22 @@ def run_plain(model, request: Request, seed=None, prefill_step: int = 512) -> Ou
     if seed is not None:
         mx.random.seed(seed)
     params = request.params
-    row = RowState(request, params.processors(), mx.array(list(request.prompt), dtype=mx.int32))
+    prompt = mx.array(list(request.prompt), dtype=mx.int32)
+    row = RowState(request, params.processors(), prompt)
     start = time.perf_counter()
     first = None
+    extra = {}
+    if request.embeddings is not None:  # images or audio: the host's prefill, as oMLX runs it
+        extra["prompt_cache"] = prefill_embedded(model, request, prefill_step)
+        prompt = prompt[-1:]
     steps = generate_step(
-        mx.array(list(request.prompt), dtype=mx.int32),
+        prompt,
         model,
         max_tokens=request.max_tokens,
         sampler=params.mlx_sampler(),
         logits_processors=row.processors or None,
         prefill_step_size=prefill_step,
+        **extra,
     )
     for token, _ in steps:
         if first is None:
@@ -137,3 +144,15 @@ def run_plain(model, request: Request, seed=None, prefill_step: int = 512) -> Ou
             break
     end = time.perf_counter()
     return Outcome(row, False, first - start, end - first)
+
+
+def prefill_embedded(model, request: Request, step: int = 512) -> list:
+    """The host's caches after all but the last prompt token, fed as the prompt's embeddings
+    (mlx-lm's loop then starts from the last token, the way oMLX hands a prefilled request on)."""
+    cache = make_prompt_cache(model)
+    tokens = mx.array(list(request.prompt), dtype=mx.int32)[None]
+    for start in range(0, tokens.shape[1] - 1, step):
+        end = min(start + step, tokens.shape[1] - 1)
+        model(tokens[:, start:end], cache=cache, embeddings=request.embeddings.chunk(start, end))
+        mx.eval([c.state for c in cache])
+    return cache

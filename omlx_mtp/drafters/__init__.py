@@ -10,6 +10,7 @@ import mlx.core as mx
 
 from ..checkpoint import read_config, safetensors_files
 from ..errors import CheckpointError
+from ..mtp_tensors import mtp_shard
 from . import gemma4_assistant
 
 LOADERS = {gemma4_assistant.MODEL_TYPE: (gemma4_assistant.load_gemma4_assistant, gemma4_assistant.check_fits)}
@@ -48,7 +49,7 @@ def load_merged_drafter(model_dir: str | Path, target):
         return None
     assistant_config, prefix = merged
     weights = {}
-    for file in _files_with_prefix(directory, prefix):
+    for file in _files_with_prefix(directory, prefix, config):
         weights.update({k[len(prefix):]: v for k, v in mx.load(str(file)).items() if k.startswith(prefix)})
     if not weights:
         raise CheckpointError(f"{directory}: config.json embeds an assistant but no {prefix}* tensors were found")
@@ -62,7 +63,10 @@ def load_merged_drafter(model_dir: str | Path, target):
     return drafter
 
 
-def _files_with_prefix(directory: Path, prefix: str) -> list[Path]:
+def _files_with_prefix(directory: Path, prefix: str, config: dict) -> list[Path]:
+    own = directory / mtp_shard(config)  # where omlx-mtp quantize puts them
+    if own.is_file():
+        return [own]
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text()).get("weight_map", {})

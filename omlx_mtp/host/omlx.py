@@ -44,6 +44,26 @@ def preserving_sanitizer(sanitize, config: dict):
     return sanitize_keeping
 
 
+# oMLX engines whose start() has the call sites of patches/omlx-0.3.8 (text and multimodal models).
+ENGINES_WITH_MTP = ("BatchedEngine", "VLMBatchedEngine")
+
+
+def engine_built(engine, model_id: str, model_path: str | None = None) -> None:
+    """At engine creation: a model whose settings ask for MTP but that oMLX serves with an engine
+    without MTP call sites (embeddings, reranker, audio, DFlash) says so once, and serves plain."""
+    kind = type(engine).__name__
+    if kind in ENGINES_WITH_MTP:
+        return
+    try:
+        settings = plugin_manager().hook.omlx_model_settings(
+            model_id=model_id, model_path=str(model_path) if model_path else None, base_path=_base_path())
+    except Exception:  # never keep a model from serving
+        return
+    if settings and settings.get("mtp_enabled"):
+        log.warning("omlx-mtp: MTP disabled for %s: oMLX serves it with %s, which has no MTP support; "
+                    "it decodes plain", model_id, kind)
+
+
 def attach_decode_strategy(scheduler, model, model_path: str, model_id: str | None = None):
     """At engine start: the plugins' settings, drafter and decode strategy for this model, handed
     to the scheduler.  Whatever goes wrong is logged and the model serves with plain decoding."""

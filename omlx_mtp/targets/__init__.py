@@ -35,4 +35,4 @@ def wrap_target(model, compiled: bool | None = None) -> Target:
     )
 
 
-__all__ = ["FAMILIES", "PromptEmbeddings", "Target", "UnsupportedTarget", "host_model", "wrap_target"]
+__all__ = ["FAMILIES", "Gemma4MlxLmTarget", "Gemma4MlxVlmTarget", "PromptEmbeddings", "Target", "UnsupportedTarget", "host_model", "wrap_target"]

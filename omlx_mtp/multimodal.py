@@ -1,0 +1,51 @@
+"""Prompts with images for multimodal targets: mlx-vlm's processor turns text and images into token
+ids (each image expanded to its soft tokens), and the model's own ``get_input_embeddings`` merges
+the vision tower's features into the text embeddings — the same inputs oMLX's VLM engine prefills."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .decode.loop import Request
+from .errors import MTPError
+from .models import load_processor
+from .targets import PromptEmbeddings
+
+
+def open_images(paths: list[str]) -> list:
+    from PIL import Image, UnidentifiedImageError
+
+    images = []
+    for path in paths:
+        try:
+            with Image.open(path) as image:
+                images.append(image.convert("RGB"))
+        except (OSError, UnidentifiedImageError) as exc:
+            raise MTPError(f"--image {path}: not a readable image ({exc})") from None
+    return images
+
+
+def processed_inputs(processor, text: str, images: list, chat: bool = True) -> dict:
+    """mlx-vlm's processor output (``input_ids``, ``pixel_values``, per-model extras) for one prompt;
+    ``chat=False`` takes ``text`` as already templated, one image placeholder per image."""
+    from mlx_vlm.prompt_utils import apply_chat_template
+    from mlx_vlm.utils import prepare_inputs
+
+    if chat:
+        text = apply_chat_template(processor, {"model_type": "gemma4"}, text, num_images=len(images))
+    return dict(prepare_inputs(processor, images=images or None, prompts=text))
+
+
+def embedded_request(model, processor, text: str, images: list, chat: bool = True, **request) -> Request:
+    """A ``Request`` whose prompt carries the merged text + image embeddings of ``model`` (mlx-vlm's)."""
+    inputs = processed_inputs(processor, text, images, chat)
+    ids = inputs.pop("input_ids")
+    inputs.pop("attention_mask", None)
+    features = model.get_input_embeddings(ids, inputs.pop("pixel_values", None),
+                                          **{k: v for k, v in inputs.items() if v is not None})
+    extra = {} if getattr(features, "per_layer_inputs", None) is None else {"per_layer_inputs": features.per_layer_inputs}
+    return Request(ids[0].tolist(), embeddings=PromptEmbeddings(features.inputs_embeds, extra), **request)
+
+
+def image_request(model_dir: str | Path, model, text: str, image_paths: list[str], chat: bool, **request) -> Request:
+    return embedded_request(model, load_processor(model_dir), text, open_images(image_paths), chat, **request)

@@ -136,7 +136,7 @@ def _spell(config: dict, spec: TinySpec) -> dict:
     return config
 
 
-def _randomize(module: nn.Module, spec: TinySpec, rng: np.random.Generator) -> dict:
+def randomize(module: nn.Module, spec: TinySpec, rng: np.random.Generator) -> dict:
     weights = {}
     for name, value in tree_flatten(module.parameters()):
         if name.endswith("embed_tokens.weight") or name.endswith("embed_tokens_per_layer.weight"):
@@ -185,7 +185,7 @@ def write_target(directory: Path, spec: TinySpec, seed: int = 0) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     text = target_text_config(spec)
     model = gemma4_text.Model(gemma4_text.ModelArgs.from_dict(normalize_text_config(text)))
-    weights = model.sanitize(_randomize(model, spec, np.random.default_rng(seed)))
+    weights = model.sanitize(randomize(model, spec, np.random.default_rng(seed)))
     if spec.model_type == "gemma4":
         weights = {"model.language_model." + k.removeprefix("model."): v for k, v in weights.items()}
         config = {"model_type": "gemma4", "vocab_size": spec.vocab_size, "text_config": text}
@@ -204,7 +204,7 @@ def write_assistant(directory: Path, spec: TinySpec, seed: int = 1) -> Path:
     config = assistant_config(spec)
     drafter = Gemma4AssistantDrafter(normalize_assistant_config(config, "tiny"))
     rng = np.random.default_rng(seed)
-    weights = _randomize(drafter, spec, rng)
+    weights = randomize(drafter, spec, rng)
     if spec.centroid_head:
         ordering = rng.permutation(spec.vocab_size).astype(np.int64)
         weights["masked_embedding.token_ordering"] = mx.array(ordering)

@@ -1,0 +1,162 @@
+"""MTP through the mlx-vlm target path (multimodal Gemma 4, as oMLX's VLM engine loads it):
+float32 greedy output equals plain decoding token for token, for text prompts past the sliding
+window and for image prompts, directly and behind the BatchGenerator API with host-prefilled
+caches (mixed image and text requests joining at different steps)."""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_vlm")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from mlx_lm.generate import BatchGenerator  # noqa: E402
+
+from omlx_mtp.decode.compiled_forward import compiled_forward_exact  # noqa: E402
+from omlx_mtp.decode.loop import Request, SpeculativeDecoder  # noqa: E402
+from omlx_mtp.decode.oracle import OracleDrafter  # noqa: E402
+from omlx_mtp.drafters import load_drafter  # noqa: E402
+from omlx_mtp.host.batch_generator import MTPBatchGenerator  # noqa: E402
+from omlx_mtp.models import load_target  # noqa: E402
+from omlx_mtp.runner import prefill_embedded, run_plain  # noqa: E402
+from omlx_mtp.targets import Gemma4MlxVlmTarget, PromptEmbeddings, wrap_target  # noqa: E402
+from omlx_mtp.tiny import TinySpec, write_assistant  # noqa: E402
+from omlx_mtp.tiny_vlm import image_prompt_inputs, write_tiny_vlm  # noqa: E402
+
+from .conftest import prompts  # noqa: E402
+
+MAX_TOKENS = 40  # > 2x the sliding window of 16
+SPECS = {
+    "31b": TinySpec(layout="31b", model_type="gemma4", k_eq_v=True),
+    "e2b": TinySpec(layout="e2b", model_type="gemma4", num_layers=6, centroid_head=True),
+}
+
+
+class VlmPair:
+    def __init__(self, directory, spec, audio):
+        self.spec = spec
+        self.dir = write_tiny_vlm(directory / "target", spec, audio=audio)
+        self.model, self.tokenizer, self.config = load_target(self.dir)
+        self.target = wrap_target(self.model)
+        self.drafter = load_drafter(write_assistant(directory / "assistant", spec), self.target)
+        from mlx_vlm.utils import load_processor
+
+        self.processor = load_processor(self.dir, True)
+
+    def image_request(self, text: str, seed: int) -> Request:
+        from PIL import Image
+
+        pixels = np.random.default_rng(seed).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+        inputs = image_prompt_inputs(self.dir, text, Image.fromarray(pixels), processor=self.processor)
+        features = self.model.get_input_embeddings(**inputs.embedding_kwargs())
+        extra = {} if features.per_layer_inputs is None else {"per_layer_inputs": features.per_layer_inputs}
+        ids = inputs.input_ids[0].tolist()
+        return Request(ids, max_tokens=MAX_TOKENS, embeddings=PromptEmbeddings(features.inputs_embeds, extra))
+
+
+@pytest.fixture(scope="module", params=sorted(SPECS))
+def vlm(request, tmp_path_factory):
+    return VlmPair(tmp_path_factory.mktemp(f"vlm{request.param}"), SPECS[request.param], audio=request.param == "e2b")
+
+
+def test_mlx_vlm_model_gets_the_vlm_target(vlm):
+    assert isinstance(vlm.target, Gemma4MlxVlmTarget)
+    assert type(vlm.model).__module__.startswith("mlx_vlm.models.gemma4")
+
+
+def _plain(vlm, request):
+    return run_plain(vlm.target.plain_model(), request).row.generated
+
+
+def test_text_prompts_greedy_lossless(vlm):
+    batch = [Request(p, max_tokens=MAX_TOKENS) for p in prompts(6, vlm.spec.vocab_size - 16, seed=3)]
+    expected = [_plain(vlm, r) for r in batch]
+    assert all(len(set(tokens)) >= 12 for tokens in expected)  # the paths wander (DESIGN §8)
+    continuations = {tuple(r.prompt): e for r, e in zip(batch, expected)}
+    for drafter in (vlm.drafter, OracleDrafter(continuations, vlm.spec.vocab_size, error_rate=0.25, seed=1)):
+        rows = SpeculativeDecoder(vlm.target, drafter, draft_tokens=3).generate(batch)
+        assert [row.generated for row in rows] == expected
+        assert sum(r.stats.drafted for r in rows) > 0
+    assert sum(r.stats.accepted for r in rows) > 0  # the oracle's drafts were accepted
+
+
+def test_image_prompts_greedy_lossless(vlm):
+    requests = [vlm.image_request("Describe the picture.", seed) for seed in (0, 1)]
+    expected = [_plain(vlm, r) for r in requests]
+    assert expected[0] != expected[1]  # the image reaches the text model
+    continuations = {tuple(r.prompt): e for r, e in zip(requests, expected)}
+    oracle = OracleDrafter(continuations, vlm.spec.vocab_size, error_rate=0.25, seed=2)
+    for drafter in (vlm.drafter, oracle):
+        rows = SpeculativeDecoder(vlm.target, drafter, draft_tokens=3).generate(requests)
+        assert [row.generated for row in rows] == expected
+
+
+def _drain(generator, makers, insert_at) -> dict[int, list[int]]:
+    """Insert request i (``makers[i]()`` -> prompt, cache) at step ``insert_at[i]``; step until every
+    request has finished; the tokens of each."""
+    out: dict[int, list[int]] = {}
+    running: dict[int, int] = {}  # uid -> request index
+    step = 0
+    while len(out) < len(makers) or running:
+        for i, at in enumerate(insert_at):
+            if at == step:
+                prompt, cache = makers[i]()
+                (uid,) = generator.insert([prompt], max_tokens=[MAX_TOKENS], caches=[cache] if cache else None)
+                running[uid], out[i] = i, []
+        for response in generator.next_generated():
+            out[running[response.uid]].append(response.token)
+            if response.finish_reason is not None:
+                running.pop(response.uid)
+        step += 1
+    return out
+
+
+def test_batch_generator_mixed_image_and_text_requests(vlm):
+    """oMLX's flow: the host prefills all but the last token (image embeddings included) into its own
+    caches, then inserts the last token with the cache; text and image requests join at different steps."""
+    plain_model = vlm.target.plain_model()
+    requests = [vlm.image_request("What is it?", 5), Request(prompts(1, vlm.spec.vocab_size - 16, seed=9)[0] * 3),
+                vlm.image_request("Colours?", 6), Request(prompts(1, vlm.spec.vocab_size - 16, seed=4)[0])]
+
+    def host_prefilled(request):
+        def make():
+            if request.embeddings is not None:
+                return request.prompt[-1:], prefill_embedded(plain_model, request)
+            return list(request.prompt), None
+        return make
+
+    makers = [host_prefilled(r) for r in requests]
+    insert_at = [0, 0, 3, 5]
+    plain = _drain(BatchGenerator(plain_model, completion_batch_size=8), makers, insert_at)
+    for drafter in (vlm.drafter, None):
+        if drafter is None:  # an oracle of the plain continuations: drafts get accepted
+            drafter = OracleDrafter({tuple(r.prompt[-1:] if r.embeddings is not None else r.prompt): plain[i]
+                                     for i, r in enumerate(requests)}, vlm.spec.vocab_size, error_rate=0.2, seed=3)
+        decoder = SpeculativeDecoder(vlm.target, drafter, draft_tokens=3)
+        generator = MTPBatchGenerator(decoder, BatchGenerator, model=plain_model, completion_batch_size=8)
+        mtp = _drain(generator, makers, insert_at)
+        assert mtp == plain
+        assert generator._plain is None  # every request ran MTP rounds (none fell back)
+    assert generator.totals.accepted > 0
+
+
+@pytest.mark.skipif(not compiled_forward_exact(), reason="this mlx compiles the target with other rounding")
+def test_compiled_forward_equals_op_by_op(vlm):
+    plain, compiled = wrap_target(vlm.model, compiled=False), wrap_target(vlm.model, compiled=True)
+    prompt = mx.array([prompts(1, vlm.spec.vocab_size - 16, seed=11)[0] * 2])
+    results = []
+    for target in (plain, compiled):
+        cache = target.make_cache(1, slack=8)
+        target.hidden(prompt, cache)
+        from omlx_mtp.decode import cache as caches
+
+        caches.advance(cache, prompt.shape[1])
+        logits, hidden = target.forward(mx.array([[5, 6, 7, 8]]), cache)
+        results.append((logits, hidden))
+    assert compiled.compiled.traces.made == 1
+    assert mx.array_equal(results[0][0], results[1][0]) and mx.array_equal(results[0][1], results[1][1])

@@ -69,10 +69,14 @@ def _load_vlm(directory: Path):
 def load_processor(path: str | Path):
     """mlx-vlm's processor of a multimodal checkpoint (images and audio into model inputs)."""
     directory = Path(path)
-    if not is_multimodal(read_config(directory)):
+    config = read_config(directory)
+    if not is_multimodal(config):
         raise CheckpointError(f"{directory}: not a multimodal checkpoint (no vision_config); --image needs one")
+    import importlib
+
     from mlx_vlm.utils import load_processor as load_vlm_processor
 
+    importlib.import_module(f"mlx_vlm.models.{config['model_type']}")  # registers the model's own processor
     try:
         return load_vlm_processor(directory, True)
     except Exception as exc:  # transformers raises many kinds here

@@ -25,15 +25,18 @@ def open_images(paths: list[str]) -> list:
     return images
 
 
-def processed_inputs(processor, text: str, images: list, chat: bool = True) -> dict:
-    """mlx-vlm's processor output (``input_ids``, ``pixel_values``, per-model extras) for one prompt;
-    ``chat=False`` takes ``text`` as already templated, one image placeholder per image."""
+def processed_inputs(processor, text: str, images: list, chat: bool = True, audio: list | None = None) -> dict:
+    """mlx-vlm's processor output (``input_ids``, ``pixel_values``, per-model extras) for one prompt
+    with images (PIL) and audio clips (16 kHz waveforms); ``chat=False`` takes ``text`` as already
+    templated, one placeholder per image and clip."""
     from mlx_vlm.prompt_utils import apply_chat_template
     from mlx_vlm.utils import prepare_inputs
 
+    audio = audio or []
     if chat:
-        text = apply_chat_template(processor, {"model_type": "gemma4"}, text, num_images=len(images))
-    return dict(prepare_inputs(processor, images=images or None, prompts=text))
+        text = apply_chat_template(processor, {"model_type": "gemma4"}, text, num_images=len(images),
+                                   num_audios=len(audio))
+    return dict(prepare_inputs(processor, images=images or None, audio=audio or None, prompts=text))
 
 
 def embedded_request(model, processor, text: str, images: list, chat: bool = True, **request) -> Request:

@@ -67,17 +67,28 @@ def _git_apply(root: Path, patches: list[Path], *flags: str) -> subprocess.Compl
 
 
 def state(root: Path) -> tuple[str, list[Path]]:
-    """("applied" | "clean" | "conflict", patches) for the oMLX tree at root."""
+    """("applied" | "clean" | "partial" | "conflict", patches) for the oMLX tree at root.  Each patch is
+    checked on its own, so a tree patched by an earlier omlx-mtp (fewer patches) is "partial"."""
     patches = patches_for(omlx_version(root))
-    if _git_apply(root, patches, "--check", "-R").returncode == 0:
-        return "applied", patches
-    if _git_apply(root, patches, "--check").returncode == 0:
-        return "clean", patches
-    return "conflict", patches
+    states = [_one_state(root, patch) for patch in patches]
+    if "conflict" in states:
+        return "conflict", patches
+    if len(set(states)) == 1:
+        return states[0], patches
+    return "partial", patches
+
+
+def _one_state(root: Path, patch: Path) -> str:
+    if _git_apply(root, [patch], "--check", "-R").returncode == 0:
+        return "applied"
+    if _git_apply(root, [patch], "--check").returncode == 0:
+        return "clean"
+    return "conflict"
 
 
 def _conflict(root: Path, patches: list[Path]) -> MTPError:
-    detail = _git_apply(root, patches, "--check").stderr.strip().splitlines()
+    bad = [p for p in patches if _one_state(root, p) == "conflict"]
+    detail = _git_apply(root, bad[:1] or patches, "--check").stderr.strip().splitlines()
     return MTPError(f"{root}: the oMLX {omlx_version(root)} files differ from the release where the patches go "
                     f"({detail[0] if detail else 'hunks do not apply'}); nothing was changed")
 
@@ -85,21 +96,23 @@ def _conflict(root: Path, patches: list[Path]) -> MTPError:
 def run(action: str, path=None) -> str:
     root = find_omlx(path)
     current, patches = state(root)
-    names = ", ".join(p.name for p in patches)
     if current == "conflict":
         raise _conflict(root, patches)
+    applied = [p for p in patches if current == "applied" or (current == "partial" and _one_state(root, p) == "applied")]
+    clean = [p for p in patches if p not in applied]
     if action == "check":
-        return f"oMLX {omlx_version(root)} at {root}: patches {'applied' if current == 'applied' else 'not applied'} ({names})"
+        listed = ", ".join(f"{p.name} ({'applied' if p in applied else 'not applied'})" for p in patches)
+        return f"oMLX {omlx_version(root)} at {root}: {listed}"
     if action == "apply":
-        if current == "applied":
+        if not clean:
             return f"already applied to {root}"
-        result = _git_apply(root, patches)
+        todo, result = clean, _git_apply(root, clean)
     elif action == "revert":
-        if current == "clean":
+        if not applied:
             return f"not applied to {root}; nothing to revert"
-        result = _git_apply(root, patches, "-R")
+        todo, result = applied, _git_apply(root, applied, "-R")
     else:
         raise MTPError(f"unknown patch action {action!r}")
     if result.returncode != 0:
         raise MTPError(f"{root}: git apply failed: {result.stderr.strip()}")
-    return f"{'applied' if action == 'apply' else 'reverted'} {names} in {root}"
+    return f"{'applied' if action == 'apply' else 'reverted'} {', '.join(p.name for p in todo)} in {root}"

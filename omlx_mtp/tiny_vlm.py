@@ -403,8 +403,9 @@ def image_prompt_inputs(
     its images come as [n, 3, H, W] and the tower patchifies them itself). For a tiny checkpoint the two
     versions produce identical logits for an image prompt.
     """
-    from mlx_vlm.prompt_utils import apply_chat_template
-    from mlx_vlm.utils import load_processor, prepare_inputs
+    from mlx_vlm.utils import load_processor
+
+    from .multimodal import processed_inputs
 
     images = [] if image is None else list(image) if isinstance(image, (list, tuple)) else [image]
     clips = [] if audio is None else list(audio) if isinstance(audio, (list, tuple)) else [audio]
@@ -415,11 +416,12 @@ def image_prompt_inputs(
 
         processor = load_processor(Path(model_dir), True)
     if chat:
+        from mlx_vlm.prompt_utils import apply_chat_template
+
         prompt = apply_chat_template(
             processor, {"model_type": "gemma4"}, prompt, num_images=len(images), num_audios=len(clips)
         )
-    inputs = prepare_inputs(processor, images=images or None, audio=clips or None, prompts=prompt)
-    inputs = dict(inputs)
+    inputs = processed_inputs(processor, prompt, images, chat=False, audio=clips)
     return VlmPrompt(
         prompt=prompt,
         input_ids=inputs.pop("input_ids"),

@@ -54,6 +54,23 @@ def test_apply_is_idempotent_and_revert_byte_identical(tree, capsys):
     assert snapshot(tree) == before
 
 
+def test_tree_patched_by_an_earlier_release_is_completed_and_reverted(tree, capsys):
+    """A tree carrying only the first patches (an earlier omlx-mtp) gets the missing ones; revert
+    removes them all, byte for byte."""
+    from omlx_mtp.patcher import _git_apply, patches_for
+
+    before = snapshot(tree)
+    earlier = patches_for("0.3.8")[:-1]
+    assert _git_apply(tree, earlier).returncode == 0
+    assert main(["patch", "check", "--omlx", str(tree)]) == 0
+    assert f"{patches_for('0.3.8')[-1].name} (not applied)" in capsys.readouterr().out
+    assert main(["patch", "apply", "--omlx", str(tree)]) == 0
+    assert main(["patch", "apply", "--omlx", str(tree)]) == 0
+    assert "already applied" in capsys.readouterr().out
+    assert main(["patch", "revert", "--omlx", str(tree)]) == 0
+    assert snapshot(tree) == before
+
+
 def test_other_version_refused_untouched(tree, capsys):
     (tree / "omlx" / "_version.py").write_text('__version__ = "0.3.9"\n')
     before = snapshot(tree)
@@ -114,3 +131,155 @@ def test_oq_keeps_mtp_only_with_plugin(tree, tmp_path, plugin):
                         "mtp.layers.0.self_attn.q_proj.weight", "mtp.norm.weight"]  # kept, unquantized
     else:
         assert kept == []
+
+
+CALL_SITES = {  # file -> (line that must follow the call site, the call site's own lines)
+    "omlx/engine/vlm.py": ("        self._loaded = True\n        logger.info(f\"VLMBatchedEngine loaded",
+                           ["from omlx_mtp.host.omlx import attach_decode_strategy",
+                            "self._engine.engine.scheduler,\n                self._vlm_model,\n"
+                            "                self._model_name,\n"]),
+    "omlx/engine_pool.py": ("            entry.engine = engine\n",
+                            ["from omlx_mtp.host.omlx import engine_built",
+                             "engine_built(engine, model_id, entry.model_path)"]),
+}
+
+
+def test_call_sites_land_compile_and_revert(tree):
+    before = snapshot(tree)
+    run("apply", tree)
+    for name, (follows, lines) in CALL_SITES.items():
+        text = (tree / name).read_text()
+        assert text.count(follows) == 1, name
+        for line in lines:
+            assert text.count(line) == 1, (name, line)
+            assert text.index(line) < text.index(follows), (name, line)
+    vlm = (tree / "omlx/engine/vlm.py").read_text()
+    start = vlm[vlm.index("    async def start(self)"):vlm.index("    async def stop(self)")]
+    assert start.index("SpecPrefill: draft model loaded") < start.index("attach_decode_strategy")
+    assert start.index("TurboQuant KV cache enabled for VLM") < start.index("attach_decode_strategy")
+    patched = sorted({*CALL_SITES, "omlx/engine/batched.py", "omlx/scheduler.py", "omlx/oq.py"})
+    proc = subprocess.run([sys.executable, "-m", "py_compile", *patched], cwd=tree, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    run("revert", tree)
+    assert snapshot(tree) == before
+
+
+def test_vlm_hunk_conflict_refused_untouched(tree, capsys):
+    vlm = tree / "omlx" / "engine" / "vlm.py"
+    anchor = "        self._inject_tool_calling(self._tokenizer)\n\n        self._loaded = True\n"
+    assert vlm.read_text().count(anchor) == 1
+    vlm.write_text(vlm.read_text().replace(anchor, anchor.replace("self._loaded = True", "self._loaded = bool(1)")))
+    before = snapshot(tree)
+    with pytest.raises(MTPError, match="nothing was changed"):
+        run("apply", tree)
+    assert snapshot(tree) == before  # oq.py, batched.py, scheduler.py, engine_pool.py untouched too
+    for action in ("check", "apply", "revert"):
+        assert main(["patch", action, "--omlx", str(tree)]) == 2
+        assert "omlx/engine/vlm.py" in capsys.readouterr().err
+    assert snapshot(tree) == before
+
+
+@runs_omlx
+@pytest.mark.parametrize("plugin", ["records", "raises", "absent", "not installed"])
+def test_engine_pool_tells_plugin_the_engine_that_serves(tree, plugin):
+    """engine_built(engine, model_id, entry.model_path) once the engine has started (after any
+    fallback: a VLM that fails to load serves as BatchedEngine); a hook that raises, lacks the
+    function or is not installed never keeps the model from loading."""
+    run("apply", tree)
+    proc = _python(tree, f"""
+        import asyncio, sys
+        plugin = {plugin!r}
+        if plugin == "not installed":
+            sys.modules["omlx_mtp"] = None
+        import omlx.engine_pool as pool_mod
+        seen = []
+        if plugin != "not installed":
+            import omlx_mtp.host.omlx as host
+            if plugin == "records":
+                host.engine_built = lambda engine, model_id, model_path: seen.append(
+                    (type(engine).__name__, model_id, model_path))
+            elif plugin == "raises":
+                def engine_built(engine, model_id, model_path):
+                    raise RuntimeError("boom")
+                host.engine_built = engine_built
+            elif hasattr(host, "engine_built"):
+                del host.engine_built
+
+        class FakeBatched:
+            def __init__(self, **kwargs):
+                self.kwargs = kwargs
+            async def start(self):
+                pass
+            async def stop(self):
+                pass
+
+        class FakeVLM(FakeBatched):
+            async def start(self):
+                raise RuntimeError("not a VLM after all")
+
+        pool_mod.BatchedEngine, pool_mod.VLMBatchedEngine = FakeBatched, FakeVLM
+        pool = pool_mod.EnginePool(max_model_memory=None)
+        for model_id, kind in (("txt", "batched"), ("vis", "vlm")):
+            pool._entries[model_id] = pool_mod.EngineEntry(
+                model_id=model_id, model_path=f"/models/{{model_id}}-dir", model_type="llm",
+                engine_type=kind, estimated_size=0)
+            asyncio.run(pool._load_engine(model_id))
+        print(repr(([type(e.engine).__name__ for e in pool._entries.values()], seen)))
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    engines, seen = eval(proc.stdout.strip().splitlines()[-1])
+    assert engines == ["FakeBatched", "FakeBatched"]
+    if plugin == "records":
+        assert seen == [("FakeBatched", "txt", "/models/txt-dir"), ("FakeBatched", "vis", "/models/vis-dir")]
+    else:
+        assert seen == []
+    if plugin == "raises":
+        assert "engine_built hook failed for txt: boom" in proc.stderr
+
+
+@runs_omlx
+@pytest.mark.parametrize("plugin", [True, False])
+def test_vlm_engine_start_attaches_decode_strategy(tree, plugin):
+    """VLMBatchedEngine.start() hands (scheduler, mlx-vlm model, model path) to the plugin after
+    TurboQuant and SpecPrefill are set on the scheduler; without omlx-mtp it starts as before."""
+    run("apply", tree)
+    proc = _python(tree, f"""
+        import asyncio, sys
+        from types import SimpleNamespace
+        if not {plugin!r}:
+            sys.modules["omlx_mtp"] = None
+        import mlx_lm, mlx_vlm.utils
+        import omlx.engine_core, omlx.engine.vlm as vlm_mod
+        seen = []
+        if {plugin!r}:
+            import omlx_mtp.host.omlx as host
+            def attach(scheduler, model, model_path):
+                seen.append((model.name, model_path, scheduler._turboquant_kv_bits, scheduler.draft))
+            host.attach_decode_strategy = attach
+
+        class Scheduler:
+            _turboquant_kv_bits = None
+            draft = None
+            def set_specprefill_draft_model(self, model, draft_model_name):
+                self.draft = draft_model_name
+
+        class FakeCore:
+            def __init__(self, model, tokenizer, config):
+                async def start():
+                    pass
+                self.engine = SimpleNamespace(scheduler=Scheduler(), start=start)
+
+        mlx_vlm.utils.load = lambda path, **kw: (SimpleNamespace(name="vlm-model"), SimpleNamespace())
+        mlx_lm.load = lambda path, **kw: (SimpleNamespace(name="draft"), None)
+        vlm_mod.VLMModelAdapter = lambda model: SimpleNamespace(model=model)
+        omlx.engine_core.AsyncEngineCore = FakeCore
+        settings = SimpleNamespace(turboquant_kv_enabled=True, turboquant_kv_bits=4,
+                                   specprefill_enabled=True, specprefill_draft_model="/models/draft")
+        engine = vlm_mod.VLMBatchedEngine(model_name="/models/gemma4-vlm", model_settings=settings)
+        asyncio.run(engine.start())
+        print(repr((engine._loaded, seen)))
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded, seen = eval(proc.stdout.strip().splitlines()[-1])
+    assert loaded is True
+    assert seen == ([("vlm-model", "/models/gemma4-vlm", 4.0, "/models/draft")] if plugin else [])

@@ -265,9 +265,13 @@ def _write_tokenizer(directory: Path, spec: TinySpec) -> dict[str, int]:
     path = directory / "tokenizer.json"
     data = json.loads(path.read_text())
     vocab = data["model"]["vocab"]
-    for name in [name for name, i in vocab.items() if i in by_id]:
+    renamed = {name for name, i in vocab.items() if i in by_id}
+    for name in renamed:
         del vocab[name]
     vocab.update(ids)
+    merges = data["model"].get("merges") or []
+    data["model"]["merges"] = [m for m in merges
+                               if "".join(m if isinstance(m, list) else m.split(" ")) not in renamed]
     for entry in data["added_tokens"]:
         if entry["id"] in by_id:
             entry["content"] = by_id[entry["id"]]
@@ -336,23 +340,50 @@ def write_tiny_vlm(
     vision = vision or TinyVisionSpec()
     if vision.position_embedding_size < vision.soft_tokens * vision.pooling_kernel_size:
         raise ValueError("position_embedding_size must cover the longest side in patches (soft_tokens x pooling)")
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as scratch:  # never read and overwrite the same safetensors file
         text = tiny.write_target(Path(scratch), spec, seed)  # text weights, byte-level tokenizer
-        weights = dict(mx.load(str(text / "model.safetensors")))
-        mx.eval(weights)
-        shutil.copyfile(text / "tokenizer.json", directory / "tokenizer.json")
+        return add_towers(text, directory, spec, audio, seed, vision)
+
+
+def add_towers(text_dir: Path, directory: Path, spec: TinySpec, audio: bool = False, seed: int = 0,
+               vision: TinyVisionSpec | None = None) -> Path:
+    """A multimodal checkpoint in ``directory`` from the Gemma 4 text checkpoint in ``text_dir`` (its
+    weights under ``model.language_model.*``, its text config, its tokenizer with the top ids of the
+    vocabulary renamed to the multimodal tokens) plus random towers.  ``spec`` gives the widths the
+    towers project to and the weight scales; the text part is taken as it is."""
+    text_dir, directory = Path(text_dir), Path(directory)
+    vision = vision or TinyVisionSpec()
+    text_config = json.loads((text_dir / "config.json").read_text())
+    text_config = text_config.get("text_config", text_config)
+    weights = dict(mx.load(str(text_dir / "model.safetensors")))
+    mx.eval(weights)
+    if not any(k.startswith("model.language_model.") for k in weights):
+        weights = {"model.language_model." + k.removeprefix("model."): v for k, v in weights.items()}
+    directory.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(text_dir / "tokenizer.json", directory / "tokenizer.json")
     weights.update(shared_kv_weights(spec, weights, seed))
     weights.update(tower_weights(spec, audio, vision, seed))
     mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "pt"})
     config = vlm_config(spec, audio, vision)
+    config["text_config"] = {**text_config, "model_type": "gemma4_text"}
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     _write_tokenizer(directory, spec)
     (directory / "processor_config.json").write_text(json.dumps(_processor_config(vision), indent=2))
     generation = {"bos_token_id": 2, "pad_token_id": 0, "eos_token_id": config["eos_token_id"], "do_sample": False}
     (directory / "generation_config.json").write_text(json.dumps(generation, indent=2))
     return directory
+
+
+def demo_vlm(directory: Path, audio: bool = False) -> tuple[Path, Path]:
+    """The embedded demo pair's trained target as a multimodal checkpoint (random towers; text prompts
+    decode as the demo target does, up to the few BPE merges given up to the multimodal tokens), and
+    its assistant: drafts that get accepted, through the mlx-vlm path."""
+    from .demo import demo_pair
+
+    text, assistant, _ = demo_pair(Path(directory) / "text")
+    config = json.loads((text / "config.json").read_text())
+    spec = TinySpec(model_type="gemma4", hidden_size=config["hidden_size"], vocab_size=config["vocab_size"])
+    return add_towers(text, Path(directory) / "target", spec, audio), assistant
 
 
 @dataclass

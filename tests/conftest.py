@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 import pytest
 
@@ -9,6 +11,10 @@ from omlx_mtp.targets import wrap_target
 from omlx_mtp.drafters import load_drafter
 from omlx_mtp.models import load_target
 from omlx_mtp.tiny import TinySpec, write_pair
+
+# Tests never reach the network: subprocesses (oMLX, oQ) inherit these too.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 # 31B-like: every layer owns K/V, K-eq-V full layers, original config spelling, text-only type.
 SPEC_31B = TinySpec(layout="31b", model_type="gemma4_text", spelling="original", k_eq_v=True)

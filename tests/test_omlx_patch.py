@@ -29,6 +29,11 @@ runs_omlx = pytest.mark.skipif(not mlx_lm.__version__.startswith("0.31."),
                                reason=f"oMLX 0.3.8 needs mlx-lm 0.31.x, this is {mlx_lm.__version__}")
 
 
+def omlx_env(tree: Path) -> dict:
+    """The environment of a subprocess running oMLX from ``tree``: never the network (no hub look-ups)."""
+    return {**os.environ, "PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
 @pytest.fixture
 def tree(tmp_path):
     copy = tmp_path / "omlx-tree"
@@ -89,7 +94,7 @@ def test_modified_tree_refused_untouched(tree):
 
 
 def _python(tree: Path, code: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env = omlx_env(tree)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
                           timeout=600)
 
@@ -98,7 +103,7 @@ def _python(tree: Path, code: str) -> subprocess.CompletedProcess:
 def test_omlx_own_oq_tests_pass_on_patched_tree(tree):
     run("apply", tree)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_oq.py"],
-                          cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True,
+                          cwd=tree, env=omlx_env(tree), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:]
     print(proc.stdout.strip().splitlines()[-1])

@@ -7,8 +7,8 @@ not, several requests at once, prompts longer than the sliding window, prefix-ca
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -23,7 +23,7 @@ from omlx_mtp.cli import main
 from omlx_mtp.demo import demo_pair
 from omlx_mtp.patcher import run
 
-from .test_omlx_patch import SOURCE, runs_omlx
+from .test_omlx_patch import SOURCE, omlx_env, runs_omlx
 
 httpx = pytest.importorskip("httpx")
 pytestmark = [
@@ -46,9 +46,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
-    tree = root / "omlx-tree"
-    shutil.copytree(SOURCE, tree, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".git"))
-    run("apply", tree)
+    tree = patched_tree(root)
     base = root / "base"
     target, assistant, _ = demo_pair(root / "pair")
     models = base / "models"
@@ -59,13 +57,19 @@ def server(tmp_path_factory):
     (base / "model_settings" / "demo-mtp.yaml").write_text("mtp_enabled: true\nmtp_draft_tokens: 3\n")
     shutil.copytree(models / "demo-mtp", models / "demo-bad")  # names a drafter that is not there
     (base / "model_settings" / "demo-bad.yaml").write_text(f"mtp_enabled: true\nmtp_drafter: {root / 'missing'}\n")
+    with omlx_server(tree, models, base, root / "server.log") as (url, _):
+        yield url, root / "server.log"
+
+
+@contextlib.contextmanager
+def omlx_server(tree: Path, models: Path, base: Path, log_path: Path):
+    """``omlx serve`` from ``tree`` on a free loopback port until the block ends; yields (URL, pid)."""
     port = _free_port()
-    log_path = root / "server.log"
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(
             [sys.executable, "-m", "omlx.cli", "serve", "--model-dir", str(models), "--host", "127.0.0.1",
              "--port", str(port), "--base-path", str(base)],
-            env={**os.environ, "PYTHONPATH": str(tree)}, stdout=log_file, stderr=subprocess.STDOUT)
+            env=omlx_env(tree), stdout=log_file, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(240):
@@ -76,13 +80,21 @@ def server(tmp_path_factory):
                 pass
             assert proc.poll() is None, log_path.read_text()[-3000:]
             time.sleep(0.5)
-        yield url, log_path
+        yield url, proc.pid
     finally:
         proc.terminate()
         proc.wait(timeout=30)
 
 
+def patched_tree(root: Path) -> Path:
+    tree = root / "omlx-tree"
+    shutil.copytree(SOURCE, tree, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".git"))
+    run("apply", tree)
+    return tree
+
+
 def chat(url, model, content, stream=False, max_tokens=160):
+    """One chat completion at temperature 0; ``content``: a string, or OpenAI content parts (images)."""
     body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
             "temperature": 0, "stream": stream}
     if not stream:
@@ -141,7 +153,7 @@ def test_omlx_own_tests_pass_on_patched_tree(tmp_path):
     files = ["tests/test_oq.py", "tests/test_model_settings.py", "tests/test_model_settings_profiles.py",
              "tests/test_scheduler.py", "tests/test_scheduler_logits_processors.py"]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files], cwd=tree,
-                          env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True, timeout=900)
+                          env=omlx_env(tree), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:]
     print(proc.stdout.strip().splitlines()[-1])
 

@@ -26,11 +26,13 @@ from omlx_mtp.patcher import run
 from .test_omlx_patch import SOURCE, omlx_env, runs_omlx
 
 httpx = pytest.importorskip("httpx")
-pytestmark = [
+# Tests that serve: an oMLX 0.3.8 tree at OMLX_SRC, run with its pinned mlx-lm.
+SERVES = [
     pytest.mark.skipif(not SOURCE or not (Path(SOURCE) / "omlx" / "_version.py").is_file(),
                        reason="OMLX_SRC does not point at an oMLX 0.3.8 tree"),
     runs_omlx,
 ]
+pytestmark = SERVES
 
 PROMPTS = ["def parse_args(argv):", "class Queue:", "import os\nimport sys\n", "    return self"]
 LONG = "Summarise this module:\n" + "".join(f"def handler_{i}(request):\n    return request.get({i})\n\n"
@@ -128,14 +130,19 @@ def test_mtp_equals_plain_streaming_and_not(server):
     assert all(" 0 of " not in line and "drafts accepted" in line for line in lines)
 
 
-def test_concurrent_requests_all_run_mtp(server):
+def concurrent_requests_equal_plain(server, mtp_model: str, plain_model: str, contents: list) -> None:
+    """All of ``contents`` at once to the MTP model: each answer equals the plain model's, each ran MTP."""
     url, log_path = server
-    expected = [chat(url, "demo-plain", p)[0] for p in PROMPTS]
+    expected = [chat(url, plain_model, c)[0] for c in contents]
     before = len(mtp_lines(log_path))
-    with ThreadPoolExecutor(4) as pool:
-        got = list(pool.map(lambda p: chat(url, "demo-mtp", p)[0], PROMPTS))
+    with ThreadPoolExecutor(len(contents)) as pool:
+        got = list(pool.map(lambda c: chat(url, mtp_model, c)[0], contents))
     assert got == expected
-    assert len(mtp_lines(log_path)) - before == 4
+    assert len(mtp_lines(log_path)) - before == len(contents)
+
+
+def test_concurrent_requests_all_run_mtp(server):
+    concurrent_requests_equal_plain(server, "demo-mtp", "demo-plain", PROMPTS)
 
 
 def test_prefix_cache_hit_keeps_output(server):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import io
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -22,16 +21,10 @@ from omlx_mtp.cli import main
 from omlx_mtp.tiny import TinySpec, write_assistant
 from omlx_mtp.tiny_vlm import add_towers, demo_vlm
 
-from .test_omlx_patch import SOURCE, runs_omlx
-from .test_omlx_serve import chat, mtp_lines, omlx_server, patched_tree
+from .test_omlx_serve import SERVES, chat, concurrent_requests_equal_plain, mtp_lines, omlx_server, patched_tree
 
 pytest.importorskip("mlx_vlm")
-httpx = pytest.importorskip("httpx")
-pytestmark = [
-    pytest.mark.skipif(not SOURCE or not (Path(SOURCE) / "omlx" / "_version.py").is_file(),
-                       reason="OMLX_SRC does not point at an oMLX 0.3.8 tree"),
-    runs_omlx,
-]
+pytestmark = SERVES
 
 TEXT = ["def parse_args(argv):", "class Queue:", "import os\nimport sys\n", "    return self"]
 
@@ -109,14 +102,8 @@ def test_image_requests_equal_and_draft(server):
 
 
 def test_concurrent_text_and_image_requests(server):
-    url, log_path = server
     contents = [TEXT[0], with_image("Describe it.", 2), TEXT[1], with_image("Colours?", 3)]
-    expected = [chat(url, "demo-vlm-plain", c)[0] for c in contents]
-    before = len(mtp_lines(log_path))
-    with ThreadPoolExecutor(4) as pool:
-        got = list(pool.map(lambda c: chat(url, "demo-vlm-mtp", c)[0], contents))
-    assert got == expected
-    assert len(mtp_lines(log_path)) - before == 4
+    concurrent_requests_equal_plain(server, "demo-vlm-mtp", "demo-vlm-plain", contents)
 
 
 def test_drafter_of_another_width_serves_plain_and_says_why(server):

@@ -39,7 +39,7 @@ SPECS = {
 
 class VlmPair:
     def __init__(self, directory, spec, audio):
-        self.spec = spec
+        self.spec, self.audio = spec, audio
         self.dir = write_tiny_vlm(directory / "target", spec, audio=audio)
         self.model, self.tokenizer, self.config = load_target(self.dir)
         self.target = wrap_target(self.model)
@@ -52,7 +52,10 @@ class VlmPair:
         from PIL import Image
 
         pixels = np.random.default_rng(seed).integers(0, 256, (64, 64, 3), dtype=np.uint8)
-        inputs = image_prompt_inputs(self.dir, text, Image.fromarray(pixels), processor=self.processor)
+        return self.embedded_request(text, image=Image.fromarray(pixels))
+
+    def embedded_request(self, text: str, **media) -> Request:
+        inputs = image_prompt_inputs(self.dir, text, processor=self.processor, **media)
         features = self.model.get_input_embeddings(**inputs.embedding_kwargs())
         extra = {} if features.per_layer_inputs is None else {"per_layer_inputs": features.per_layer_inputs}
         ids = inputs.input_ids[0].tolist()
@@ -94,6 +97,17 @@ def test_image_prompts_greedy_lossless(vlm):
     for drafter in (vlm.drafter, oracle):
         rows = SpeculativeDecoder(vlm.target, drafter, draft_tokens=3).generate(requests)
         assert [row.generated for row in rows] == expected
+
+
+def test_audio_prompts_greedy_lossless(vlm):
+    if not vlm.audio:
+        pytest.skip("this fixture has no audio tower")
+    clips = [np.random.default_rng(seed).normal(0, 0.1, 16000).astype(np.float32) for seed in (0, 1)]
+    requests = [vlm.embedded_request("What do you hear?", audio=clip) for clip in clips]
+    expected = [_plain(vlm, r) for r in requests]
+    assert expected[0] != expected[1]  # the audio reaches the text model
+    rows = SpeculativeDecoder(vlm.target, vlm.drafter, draft_tokens=3).generate(requests)
+    assert [row.generated for row in rows] == expected
 
 
 def _drain(generator, makers, insert_at) -> dict[int, list[int]]:

@@ -43,6 +43,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import tiny
+from .gemma4_config import default_layer_types
 from .tiny import TinySpec
 
 IMAGE_SOFT_TOKENS = 9
@@ -228,19 +229,19 @@ def tower_weights(spec: TinySpec, audio: bool, vision: TinyVisionSpec, seed: int
     return weights
 
 
-def shared_kv_weights(spec: TinySpec, text_weights: dict[str, mx.array], seed: int) -> dict[str, mx.array]:
+def shared_kv_weights(text: dict, text_weights: dict[str, mx.array], spec: TinySpec, seed: int) -> dict[str, mx.array]:
     """K/V projections and k_norm for the KV-shared layers (e2b layout), which never run.
 
     The release carries them (mlx-lm and mlx-vlm 0.7 drop them in ``sanitize``; mlx-vlm 0.5.0 builds the
     modules and loads strictly, so without them it refuses the checkpoint). tiny.write_target leaves them
     out, so they are drawn here, from their own generator, shaped like the owning layer of the same type.
+    ``text``: the text config; ``spec``: the weight scale.
     """
-    text = tiny.target_text_config(spec)
     layers, shared = text["num_hidden_layers"], text.get("num_kv_shared_layers", 0)
     first = layers - shared
     if shared <= 0 or first <= 0:
         return {}
-    types = text["layer_types"]
+    types = text.get("layer_types") or default_layer_types(text)
     owner = {t: i for i, t in enumerate(types[:first])}
     rng = np.random.default_rng([seed, 2])
     out = {}
@@ -361,7 +362,7 @@ def add_towers(text_dir: Path, directory: Path, spec: TinySpec, audio: bool = Fa
         weights = {"model.language_model." + k.removeprefix("model."): v for k, v in weights.items()}
     directory.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(text_dir / "tokenizer.json", directory / "tokenizer.json")
-    weights.update(shared_kv_weights(spec, weights, seed))
+    weights.update(shared_kv_weights(text_config, weights, spec, seed))
     weights.update(tower_weights(spec, audio, vision, seed))
     mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "pt"})
     config = vlm_config(spec, audio, vision)

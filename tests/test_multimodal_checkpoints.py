@@ -199,3 +199,13 @@ def test_unknown_family_and_uncovered_engine_are_logged(tmp_path, monkeypatch, c
     assert any("is not a model family omlx-mtp drafts for" in line for line in lines)
     assert sum("EmbeddingEngine, which has no MTP support" in line for line in lines) == 1
     assert not any("BatchedEngine, which" in line for line in lines)
+
+
+def test_bench_runs_on_a_merged_multimodal_checkpoint(quantized, tmp_path):
+    """bench --model alone: the merged assistant, the mlx-vlm target path; greedy output is checked equal
+    to plain decoding inside the bench."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", str(quantized), "--draft-tokens", "2", "--repeats", "1", "--max-tokens", "8",
+                 "--prompt-tokens", "16", "--json", str(out)]) == 0
+    engines = {entry["engine"] for entry in json.loads(out.read_text())["results"]}
+    assert {"plain", "no-draft", "mtp", "oracle"} <= engines

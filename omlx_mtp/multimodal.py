@@ -39,14 +39,17 @@ def processed_inputs(processor, text: str, images: list, chat: bool = True, audi
     return dict(prepare_inputs(processor, images=images or None, audio=audio or None, prompts=text))
 
 
-def embedded_request(model, processor, text: str, images: list, chat: bool = True, **request) -> Request:
-    """A ``Request`` whose prompt carries the merged text + image embeddings of ``model`` (mlx-vlm's)."""
-    inputs = processed_inputs(processor, text, images, chat)
+def embedded_request(model, processor, text: str, images: list, chat: bool = True, audio: list | None = None,
+                     **request) -> Request:
+    """A ``Request`` whose prompt carries the merged text + image (+ audio) embeddings of ``model`` (mlx-vlm's)."""
+    inputs = processed_inputs(processor, text, images, chat, audio)
     ids = inputs.pop("input_ids")
     inputs.pop("attention_mask", None)
     features = model.get_input_embeddings(ids, inputs.pop("pixel_values", None),
                                           **{k: v for k, v in inputs.items() if v is not None})
     extra = {} if getattr(features, "per_layer_inputs", None) is None else {"per_layer_inputs": features.per_layer_inputs}
+    if inputs.get("mm_token_type_ids") is not None:  # mlx-vlm 0.7: image tokens attend to each other in prefill
+        extra["mm_token_type_ids"] = inputs["mm_token_type_ids"]
     return Request(ids[0].tolist(), embeddings=PromptEmbeddings(features.inputs_embeds, extra), **request)
 
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache
 
 from .decode.loop import DecodeStats, Request, RowState, SpeculativeDecoder
 from .targets import Target, wrap_target
+from .targets.base import prefill_on_host
 from .drafters import load_drafter, load_merged_drafter
 from .errors import MTPError
 from .models import load_target
@@ -125,7 +125,7 @@ def run_plain(model, request: Request, seed=None, prefill_step: int = 512) -> Ou
     first = None
     extra = {}
     if request.embeddings is not None:  # images or audio: the host's prefill, as oMLX runs it
-        extra["prompt_cache"] = prefill_embedded(model, request, prefill_step)
+        extra["prompt_cache"] = prefill_on_host(model, list(request.prompt), request.embeddings)
         prompt = prompt[-1:]
     steps = generate_step(
         prompt,
@@ -145,14 +145,3 @@ def run_plain(model, request: Request, seed=None, prefill_step: int = 512) -> Ou
     end = time.perf_counter()
     return Outcome(row, False, first - start, end - first)
 
-
-def prefill_embedded(model, request: Request, step: int = 512) -> list:
-    """The host's caches after all but the last prompt token, fed as the prompt's embeddings
-    (mlx-lm's loop then starts from the last token, the way oMLX hands a prefilled request on)."""
-    cache = make_prompt_cache(model)
-    tokens = mx.array(list(request.prompt), dtype=mx.int32)[None]
-    for start in range(0, tokens.shape[1] - 1, step):
-        end = min(start + step, tokens.shape[1] - 1)
-        model(tokens[:, start:end], cache=cache, embeddings=request.embeddings.chunk(start, end))
-        mx.eval([c.state for c in cache])
-    return cache

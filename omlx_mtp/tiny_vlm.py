@@ -366,7 +366,8 @@ def add_towers(text_dir: Path, directory: Path, spec: TinySpec, audio: bool = Fa
     weights.update(tower_weights(spec, audio, vision, seed))
     mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "pt"})
     config = vlm_config(spec, audio, vision)
-    config["text_config"] = {**text_config, "model_type": "gemma4_text"}
+    # As the multimodal releases say it: an image's soft tokens attend to each other (mlx-vlm 0.7 reads it).
+    config["text_config"] = {**text_config, "model_type": "gemma4_text", "use_bidirectional_attention": "vision"}
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     _write_tokenizer(directory, spec)
     (directory / "processor_config.json").write_text(json.dumps(_processor_config(vision), indent=2))

@@ -90,7 +90,8 @@ def _generate(loaded: Loaded, text: str, images=None, audio=None, max_tokens: in
 def test_layout_follows_the_release(vlm):
     config = vlm.config
     assert config["model_type"] == "gemma4" and config["audio_config"] is None
-    assert config["text_config"] == tiny.target_text_config(replace(SPEC, model_type="gemma4"))
+    assert config["text_config"] == {**tiny.target_text_config(replace(SPEC, model_type="gemma4")),
+                                     "use_bidirectional_attention": "vision"}
     assert config["vision_config"]["model_type"] == "gemma4_vision"
     weights = mx.load(str(vlm.dir / "model.safetensors"))
     prefixes = {".".join(k.split(".")[:2]) for k in weights}

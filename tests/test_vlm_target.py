@@ -23,10 +23,12 @@ from omlx_mtp.decode.oracle import OracleDrafter  # noqa: E402
 from omlx_mtp.drafters import load_drafter  # noqa: E402
 from omlx_mtp.host.batch_generator import MTPBatchGenerator  # noqa: E402
 from omlx_mtp.models import load_target  # noqa: E402
-from omlx_mtp.runner import prefill_embedded, run_plain  # noqa: E402
-from omlx_mtp.targets import Gemma4MlxVlmTarget, PromptEmbeddings, wrap_target  # noqa: E402
+from omlx_mtp.runner import run_plain  # noqa: E402
+from omlx_mtp.targets import Gemma4MlxVlmTarget, wrap_target  # noqa: E402
+from omlx_mtp.targets.base import prefill_on_host  # noqa: E402
 from omlx_mtp.tiny import TinySpec, write_assistant  # noqa: E402
-from omlx_mtp.tiny_vlm import image_prompt_inputs, write_tiny_vlm  # noqa: E402
+from omlx_mtp.multimodal import embedded_request  # noqa: E402
+from omlx_mtp.tiny_vlm import write_tiny_vlm  # noqa: E402
 
 from .conftest import prompts  # noqa: E402
 
@@ -54,12 +56,9 @@ class VlmPair:
         pixels = np.random.default_rng(seed).integers(0, 256, (64, 64, 3), dtype=np.uint8)
         return self.embedded_request(text, image=Image.fromarray(pixels))
 
-    def embedded_request(self, text: str, **media) -> Request:
-        inputs = image_prompt_inputs(self.dir, text, processor=self.processor, **media)
-        features = self.model.get_input_embeddings(**inputs.embedding_kwargs())
-        extra = {} if features.per_layer_inputs is None else {"per_layer_inputs": features.per_layer_inputs}
-        ids = inputs.input_ids[0].tolist()
-        return Request(ids, max_tokens=MAX_TOKENS, embeddings=PromptEmbeddings(features.inputs_embeds, extra))
+    def embedded_request(self, text: str, image=None, audio=None) -> Request:
+        return embedded_request(self.model, self.processor, text, [image] if image is not None else [],
+                                audio=[audio] if audio is not None else None, max_tokens=MAX_TOKENS)
 
 
 @pytest.fixture(scope="module", params=sorted(SPECS))
@@ -97,6 +96,25 @@ def test_image_prompts_greedy_lossless(vlm):
     for drafter in (vlm.drafter, oracle):
         rows = SpeculativeDecoder(vlm.target, drafter, draft_tokens=3).generate(requests)
         assert [row.generated for row in rows] == expected
+
+
+def test_image_prompts_first_tokens_are_mlx_vlms_own(vlm):
+    """Image prompts are prefilled by mlx-vlm's own forward (its masks: with mlx-vlm 0.7 an image's soft
+    tokens attend to each other), so the first token is the one mlx-vlm's full model picks."""
+    from PIL import Image
+
+    from omlx_mtp.multimodal import processed_inputs
+
+    for seed in range(4):
+        image = Image.fromarray(np.random.default_rng(seed).integers(0, 256, (64, 64, 3), dtype=np.uint8))
+        inputs = processed_inputs(vlm.processor, "Look.", [image])
+        ids, pixels = inputs.pop("input_ids"), inputs.pop("pixel_values")
+        inputs.pop("attention_mask", None)
+        logits = vlm.model(ids, pixel_values=pixels, **{k: v for k, v in inputs.items() if v is not None})
+        own = int(mx.argmax(getattr(logits, "logits", logits)[0, -1]).item())
+        request = embedded_request(vlm.model, vlm.processor, "Look.", [image], max_tokens=4)
+        assert _plain(vlm, request)[0] == own
+        assert SpeculativeDecoder(vlm.target, vlm.drafter, draft_tokens=3).generate([request])[0].generated[0] == own
 
 
 def test_audio_prompts_greedy_lossless(vlm):
@@ -140,7 +158,7 @@ def test_batch_generator_mixed_image_and_text_requests(vlm):
     def host_prefilled(request):
         def make():
             if request.embeddings is not None:
-                return request.prompt[-1:], prefill_embedded(plain_model, request)
+                return request.prompt[-1:], prefill_on_host(plain_model, list(request.prompt), request.embeddings)
             return list(request.prompt), None
         return make
 

@@ -27,7 +27,8 @@ from .adaptive import DepthController
 from .compiled_forward import TraceCache
 from . import cache as caches
 from .sampling import SamplingParams, draft_probs, log_softmax, target_probs
-from ..targets.base import PromptEmbeddings, Target
+from ..targets.base import PromptEmbeddings, Target, prefill_on_host
+from .mlx_lm_caches import from_mlx_lm
 
 QUERY_AT_BONUS = 0  # drafter query at the bonus token's position N (HF transformers)
 QUERY_AT_LAST = -1  # at N - 1, the position of the hidden state (vLLM, mlx-vlm)
@@ -406,11 +407,13 @@ class SpeculativeDecoder:
     def _prefill_one(self, prompt: list[int], slack: int, cache=None, embeddings: PromptEmbeddings | None = None):
         """Run the prompt through the target (into ``cache`` when given, which must have room for
         a chunk: ``prefill_slack``); returns the cache with ``slack``, last hidden and logits.
-        ``embeddings`` stand in for the prompt's token embeddings (images, audio)."""
+        A prompt with ``embeddings`` (images, audio) is prefilled by the host's own model, as oMLX
+        does, and its caches are taken over before the last token."""
         if not prompt:
             raise ValueError("empty prompt")
-        if embeddings is not None and len(embeddings) != len(prompt):
-            raise ValueError(f"embeddings cover {len(embeddings)} positions, the prompt {len(prompt)}")
+        if embeddings is not None:
+            host = prefill_on_host(self.target.plain_model(), prompt, embeddings)
+            cache, prompt = from_mlx_lm(self.target, host, self.prefill_slack(slack)), prompt[-1:]
         step = self.prefill_step
         if cache is None:
             cache = self.target.make_cache(1, slack=self.prefill_slack(slack))
@@ -418,8 +421,7 @@ class SpeculativeDecoder:
         for start in range(0, len(prompt), step):
             chunk = tokens[:, start : start + step]
             last = start + step >= len(prompt)
-            part = None if embeddings is None else embeddings.chunk(start, start + step)
-            hidden = self.target.hidden(chunk, cache, embeddings=part)
+            hidden = self.target.hidden(chunk, cache)
             caches.advance(cache, chunk.shape[1])
             if not last:
                 mx.eval([c.state for c in cache])

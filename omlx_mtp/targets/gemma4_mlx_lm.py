@@ -8,7 +8,6 @@ import mlx.core as mx
 from mlx_lm.models import gemma4_text
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from .base import PromptEmbeddings
 from .gemma4 import Gemma4Target
 
 
@@ -26,9 +25,7 @@ class Gemma4MlxLmTarget(Gemma4Target):
     def matches(cls, model) -> bool:
         return isinstance(getattr(model, "language_model", model), gemma4_text.Model)
 
-    def hidden(self, tokens: mx.array, cache: list, embeddings: PromptEmbeddings | None = None) -> mx.array:
-        if embeddings is not None:
-            raise ValueError("an mlx-lm Gemma 4 model takes no image or audio embeddings")
+    def hidden(self, tokens: mx.array, cache: list) -> mx.array:
         return self.body(tokens, cache=cache)
 
     def head(self, hidden: mx.array) -> mx.array:
@@ -41,4 +38,4 @@ class Gemma4MlxLmTarget(Gemma4Target):
         return logits
 
     def plain_model(self):
-        return self.model
+        return self.model  # takes no image or audio embeddings: it has no towers

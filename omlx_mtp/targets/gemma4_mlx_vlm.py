@@ -3,8 +3,9 @@ audio tower) that oMLX serves through its VLM engine.  The target is the model's
 the towers stay where they are and only ever run in the host's prefill of image or audio prompts.
 
 mlx-vlm's layers run unchanged.  Its text model builds attention masks from the cache offsets with
-a host sync (``.item()``) in some releases, which a compiled graph cannot do, so forwards here take
-their masks from this package's caches, which know every slot's position."""
+a host sync (``.item()``) in some releases, which a compiled graph cannot do, so forwards on this
+package's caches (decode and verify: text tokens only) take their masks from those caches, which know
+every slot's position.  Image and audio prompts are prefilled by the host's own model and caches."""
 
 from __future__ import annotations
 
@@ -37,12 +38,11 @@ class Gemma4MlxVlmTarget(Gemma4Target):
     def cache_classes(self):
         return self._host.KVCache, self._host.RotatingKVCache
 
-    def hidden(self, tokens: mx.array, cache: list, embeddings: PromptEmbeddings | None = None) -> mx.array:
-        kwargs = {} if embeddings is None else {"inputs_embeds": embeddings.inputs_embeds, **embeddings.extra}
+    def hidden(self, tokens: mx.array, cache: list) -> mx.array:
         body = self.body
         body._make_masks = self._masks  # for this call only (an instance attribute shadows the method)
         try:
-            return body(tokens, cache=cache, **kwargs)
+            return body(tokens, cache=cache)
         finally:
             del body._make_masks
 

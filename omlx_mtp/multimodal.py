@@ -25,16 +25,17 @@ def open_images(paths: list[str]) -> list:
     return images
 
 
-def processed_inputs(processor, text: str, images: list, chat: bool = True, audio: list | None = None) -> dict:
+def processed_inputs(processor, text: str, images: list, chat: bool = True, audio: list | None = None,
+                     model_type: str = "gemma4") -> dict:
     """mlx-vlm's processor output (``input_ids``, ``pixel_values``, per-model extras) for one prompt
     with images (PIL) and audio clips (16 kHz waveforms); ``chat=False`` takes ``text`` as already
-    templated, one placeholder per image and clip."""
+    templated, one placeholder per image and clip; ``model_type`` picks mlx-vlm's prompt format."""
     from mlx_vlm.prompt_utils import apply_chat_template
     from mlx_vlm.utils import prepare_inputs
 
     audio = audio or []
     if chat:
-        text = apply_chat_template(processor, {"model_type": "gemma4"}, text, num_images=len(images),
+        text = apply_chat_template(processor, {"model_type": model_type}, text, num_images=len(images),
                                    num_audios=len(audio))
     return dict(prepare_inputs(processor, images=images or None, audio=audio or None, prompts=text))
 
@@ -42,7 +43,7 @@ def processed_inputs(processor, text: str, images: list, chat: bool = True, audi
 def embedded_request(model, processor, text: str, images: list, chat: bool = True, audio: list | None = None,
                      **request) -> Request:
     """A ``Request`` whose prompt carries the merged text + image (+ audio) embeddings of ``model`` (mlx-vlm's)."""
-    inputs = processed_inputs(processor, text, images, chat, audio)
+    inputs = processed_inputs(processor, text, images, chat, audio, getattr(model.config, "model_type", "gemma4"))
     ids = inputs.pop("input_ids")
     inputs.pop("attention_mask", None)
     features = model.get_input_embeddings(ids, inputs.pop("pixel_values", None),

@@ -17,7 +17,7 @@ from ..gemma4_config import SLIDING
 from .base import PromptEmbeddings
 from .gemma4 import Gemma4Target
 
-_MODULE = "mlx_vlm.models.gemma4"
+_MODULE = "mlx_vlm.models.gemma4."  # the package's modules (not gemma4_* siblings)
 
 
 class Gemma4MlxVlmTarget(Gemma4Target):

@@ -73,8 +73,23 @@ def test_min_acceptance_forces_plain():
     assert chosen[-10:] == [0] * 10
 
 
+@pytest.fixture
+def memory_bound_costs(monkeypatch):
+    """Round times from a cost model instead of this machine's clock, so the depth choices below do
+    not depend on its speed: a plain step costs 1, a round of k drafts 1 + 0.1 k (a verify reads the
+    weights once, as on a memory-bound GPU; drafts are cheap).  Untimed rounds stay untimed."""
+    from omlx_mtp.decode.loop import LiveBatch
+
+    observe = LiveBatch._observe
+
+    def modelled(self, caps, accepted, seconds):
+        return observe(self, caps, accepted, None if seconds is None else 1.0 + 0.1 * max(caps, default=0))
+
+    monkeypatch.setattr(LiveBatch, "_observe", modelled)
+
+
 @pytest.mark.parametrize("error_rate", [0.0, 0.5, 1.0])
-def test_auto_depth_is_lossless(pair_31b, error_rate):
+def test_auto_depth_is_lossless(pair_31b, error_rate, memory_bound_costs):
     batch = prompts(6, pair_31b.spec.vocab_size, seed=9)
     references = {tuple(p): run_plain(pair_31b.model, Request(p, max_tokens=48)).row.generated for p in batch}
     oracle = OracleDrafter(references, pair_31b.spec.vocab_size, error_rate=error_rate, seed=3)

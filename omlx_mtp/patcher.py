@@ -66,16 +66,10 @@ def _git_apply(root: Path, patches: list[Path], *flags: str) -> subprocess.Compl
     return subprocess.run([git, "apply", *flags, *map(str, patches)], cwd=root, env=env, capture_output=True, text=True)
 
 
-def state(root: Path) -> tuple[str, list[Path]]:
-    """("applied" | "clean" | "partial" | "conflict", patches) for the oMLX tree at root.  Each patch is
-    checked on its own, so a tree patched by an earlier omlx-mtp (fewer patches) is "partial"."""
-    patches = patches_for(omlx_version(root))
-    states = [_one_state(root, patch) for patch in patches]
-    if "conflict" in states:
-        return "conflict", patches
-    if len(set(states)) == 1:
-        return states[0], patches
-    return "partial", patches
+def states(root: Path) -> dict[Path, str]:
+    """Each patch for the oMLX tree at root -> "applied" | "clean" | "conflict", checked on its own, so
+    a tree patched by an earlier omlx-mtp (fewer patches) shows which ones it still lacks."""
+    return {patch: _one_state(root, patch) for patch in patches_for(omlx_version(root))}
 
 
 def _one_state(root: Path, patch: Path) -> str:
@@ -86,22 +80,21 @@ def _one_state(root: Path, patch: Path) -> str:
     return "conflict"
 
 
-def _conflict(root: Path, patches: list[Path]) -> MTPError:
-    bad = [p for p in patches if _one_state(root, p) == "conflict"]
-    detail = _git_apply(root, bad[:1] or patches, "--check").stderr.strip().splitlines()
+def _conflict(root: Path, bad: list[Path]) -> MTPError:
+    detail = _git_apply(root, bad[:1], "--check").stderr.strip().splitlines()
     return MTPError(f"{root}: the oMLX {omlx_version(root)} files differ from the release where the patches go "
                     f"({detail[0] if detail else 'hunks do not apply'}); nothing was changed")
 
 
 def run(action: str, path=None) -> str:
     root = find_omlx(path)
-    current, patches = state(root)
-    if current == "conflict":
-        raise _conflict(root, patches)
-    applied = [p for p in patches if current == "applied" or (current == "partial" and _one_state(root, p) == "applied")]
-    clean = [p for p in patches if p not in applied]
+    current = states(root)
+    by_state = {kind: [p for p, s in current.items() if s == kind] for kind in ("applied", "clean", "conflict")}
+    if by_state["conflict"]:
+        raise _conflict(root, by_state["conflict"])
+    applied, clean = by_state["applied"], by_state["clean"]
     if action == "check":
-        listed = ", ".join(f"{p.name} ({'applied' if p in applied else 'not applied'})" for p in patches)
+        listed = ", ".join(f"{p.name} ({'applied' if s == 'applied' else 'not applied'})" for p, s in current.items())
         return f"oMLX {omlx_version(root)} at {root}: {listed}"
     if action == "apply":
         if not clean:

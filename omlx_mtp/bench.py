@@ -40,7 +40,7 @@ def component_costs(session: Session, prompt: list[int], K: int) -> dict:
     hidden = target.hidden(mx.array([prompt]), cache)
     caches.advance(cache, len(prompt))
     mx.eval(hidden)
-    length = cache[0].lengths[0]
+    length = caches.lengths_of(cache)[0]
 
     def forward(n):
         def run():

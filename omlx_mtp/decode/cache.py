@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .linear_state import LinearStateCache
+
 _GROW = 256
 
 
@@ -208,6 +210,8 @@ class PositionalKVCache:
 
 
 # -- a model's list of caches ----------------------------------------------------------------
+# A list may mix these K/V caches with linear-attention states (``LinearStateCache``, hybrid
+# models): the states follow the committed lengths of the K/V tables.
 def make_caches(layer_windows: list[int | None], batch_size: int, slack: int) -> list[PositionalKVCache]:
     """One cache per layer; layers with the same window share one SlotTable."""
     tables: dict = {}
@@ -219,37 +223,57 @@ def make_caches(layer_windows: list[int | None], batch_size: int, slack: int) ->
     return out
 
 
-def tables_of(caches: list[PositionalKVCache]) -> list[SlotTable]:
+def tables_of(caches: list) -> list[SlotTable]:
     seen = {}
     for cache in caches:
-        seen.setdefault(id(cache.table), cache.table)
+        if isinstance(cache, PositionalKVCache):
+            seen.setdefault(id(cache.table), cache.table)
     return list(seen.values())
 
 
-def commit(caches: list[PositionalKVCache], lengths: list[int]) -> None:
+def lengths_of(caches: list) -> list[int]:
+    """Committed tokens per row."""
+    return tables_of(caches)[0].lengths
+
+
+def _states(caches: list) -> list[LinearStateCache]:
+    return [c for c in caches if isinstance(c, LinearStateCache)]
+
+
+def commit(caches: list, lengths: list[int]) -> None:
+    states = _states(caches)
+    if states:  # the last forward wrote from the committed lengths on
+        kept = [new - old for new, old in zip(lengths, lengths_of(caches))]
+        for state in states:
+            state.keep(kept)
     for table in tables_of(caches):
         table.commit(lengths)
 
 
-def advance(caches: list[PositionalKVCache], n: int) -> None:
+def advance(caches: list, n: int) -> None:
+    for state in _states(caches):
+        state.keep(None)
     for table in tables_of(caches):
         table.advance(n)
 
 
-def shrink_slack(caches: list[PositionalKVCache], slack: int) -> None:
+def shrink_slack(caches: list, slack: int) -> None:
     for table in tables_of(caches):
         old_slots = table.shrink_slack(slack)
         if old_slots is not None:
             for cache in caches:
-                if cache.table is table and cache.keys is not None:
+                if getattr(cache, "table", None) is table and cache.keys is not None:
                     cache.shrink(old_slots)
 
 
-def stack_caches(per_row: list[list[PositionalKVCache]]) -> list[PositionalKVCache]:
+def stack_caches(per_row: list[list]) -> list:
     """Join the cache lists of several (single- or multi-row) batches into one batch."""
     tables: dict = {}
     out = []
     for layer, cache in enumerate(per_row[0]):
+        if isinstance(cache, LinearStateCache):
+            out.append(LinearStateCache.stack([caches[layer] for caches in per_row]))
+            continue
         if id(cache.table) not in tables:
             tables[id(cache.table)] = SlotTable.stack([caches[layer].table for caches in per_row])
         merged = PositionalKVCache(tables[id(cache.table)])
@@ -261,12 +285,15 @@ def stack_caches(per_row: list[list[PositionalKVCache]]) -> list[PositionalKVCac
     return out
 
 
-def select_rows(caches: list[PositionalKVCache], rows: list[int]) -> list[PositionalKVCache]:
+def select_rows(caches: list, rows: list[int]) -> list:
     """The caches of the given rows only (finished requests leave the batch)."""
     index = mx.array(rows, dtype=mx.int32)
     tables = {id(t): t.select(rows) for t in tables_of(caches)}
     out = []
     for cache in caches:
+        if isinstance(cache, LinearStateCache):
+            out.append(cache.select(rows))
+            continue
         picked = PositionalKVCache(tables[id(cache.table)])
         if cache.keys is not None:
             picked.keys, picked.values = cache.keys[index], cache.values[index]

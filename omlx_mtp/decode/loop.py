@@ -168,7 +168,7 @@ class LiveBatch:
     def start(self, rows: list[RowState], cache, hidden, logits) -> list[list[int]]:
         """Rows whose prompts are in ``cache``: sample each one's first token from ``logits``
         (the last prompt position), then let the unfinished ones join the batch."""
-        for row, length in zip(rows, cache[0].lengths):
+        for row, length in zip(rows, caches.lengths_of(cache)):
             row.prompt_length = length
         logits = self.decoder._process(rows, logits[:, -1:], lambda r, i: rows[r].history)
         bonus = self.decoder._sample_rows(rows, logits[:, 0], self._split_key())
@@ -270,7 +270,7 @@ class LiveBatch:
             new.append(emitted)
             if row.processors:
                 row.history = mx.concatenate([row.history, mx.array(kept, dtype=mx.int32)])
-            lengths.append(self.cache[0].lengths[slot] + n_host[slot] + 1)
+            lengths.append(min(caches.lengths_of(self.cache)[slot] + n_host[slot] + 1, row.cache_length))
         caches.commit(self.cache, lengths)
         self.bonus, self.hidden = bonus, hidden
         return new
@@ -434,7 +434,7 @@ class SpeculativeDecoder:
     def cache_at(self, cache: list, pending: mx.array, length: int) -> list:
         """A one-row cache cut back to ``length`` tokens, or grown by feeding ``pending`` [1]
         (the token that follows its committed ones) when ``length`` is one more."""
-        have = cache[0].lengths[0]
+        have = caches.lengths_of(cache)[0]
         if length == have + 1:
             self.target.hidden(pending[:, None], cache)
             caches.advance(cache, 1)
@@ -539,7 +539,7 @@ class SpeculativeDecoder:
             span = self.drafter.visible_span(kind, self.target.sliding_window)
             context += [*source.state, source.table.visible(span)[:, None, None, :]]
         # a scalar while every row is at the same length, else one position per row
-        query_position = mx.array(cache[0].table.offset, dtype=mx.int32) + self.query_offset
+        query_position = mx.array(caches.tables_of(cache)[0].offset, dtype=mx.int32) + self.query_offset
         return query_position, context
 
     # One draft step, compiled: a small drafter is dispatch-bound, and fusing its many small ops

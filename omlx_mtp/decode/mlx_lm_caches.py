@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from ..errors import MTPError
 from .cache import PositionalKVCache, tables_of
+from .linear_state import LinearStateCache
 
 
 def from_mlx_lm(target, layer_caches: list, slack: int) -> list[PositionalKVCache]:
@@ -25,9 +26,15 @@ def from_mlx_lm(target, layer_caches: list, slack: int) -> list[PositionalKVCach
     ours = target.make_cache(1, slack=slack)
     if len(layer_caches) != len(ours):
         raise MTPError(f"expected {len(ours)} layer caches, got {len(layer_caches)}")
-    ordered = [_time_ordered(c) for c in layer_caches]
+    ordered = []
+    for mine, theirs in zip(ours, layer_caches):
+        if isinstance(mine, LinearStateCache):
+            mine.cache = _linear_state(theirs)
+            ordered.append(None)
+        else:
+            ordered.append(_time_ordered(theirs))
     for table in tables_of(ours):
-        members = [i for i, c in enumerate(ours) if c.table is table]
+        members = [i for i, c in enumerate(ours) if getattr(c, "table", None) is table]
         lengths = {ordered[i][2] for i in members}
         if len(lengths) != 1:
             raise MTPError(f"layer caches of one attention type disagree on length: {sorted(lengths)}")
@@ -50,11 +57,17 @@ def from_mlx_lm(target, layer_caches: list, slack: int) -> list[PositionalKVCach
     return ours
 
 
-def to_mlx_lm(target, caches: list[PositionalKVCache], row: int = 0) -> list:
-    """Row ``row``'s committed positions -> the host's KVCache / RotatingKVCache objects."""
+def to_mlx_lm(target, caches: list, row: int = 0) -> list:
+    """Row ``row``'s committed positions -> the host's KVCache / RotatingKVCache (and, for
+    linear-attention layers, ArraysCache) objects."""
     KVCache, RotatingKVCache = target.cache_classes
     out = []
     for cache in caches:
+        if isinstance(cache, LinearStateCache):
+            layer = target.state_cache_class(size=2)
+            layer.cache = [c[row : row + 1] for c in cache.cache]
+            out.append(layer)
+            continue
         table = cache.table
         length = table.lengths[row]
         if table.capacity is None:
@@ -72,6 +85,19 @@ def to_mlx_lm(target, caches: list[PositionalKVCache], row: int = 0) -> list:
             layer.offset, layer._idx = length, held
         out.append(layer)
     return out
+
+
+def _linear_state(layer) -> list:
+    """[conv state, recurrent state] of an mlx-lm (or mlx-vlm) ``ArraysCache`` of one row."""
+    if not any(cls.__name__ == "ArraysCache" and cls.__module__.startswith(("mlx_lm.", "mlx_vlm."))
+               for cls in type(layer).__mro__):
+        raise MTPError(f"cannot read a linear-attention state from a {type(layer).__module__}.{type(layer).__name__}")
+    state = list(layer.cache)
+    if len(state) != 2 or any(s is None for s in state):
+        raise MTPError("a linear-attention cache that has seen no token")
+    if getattr(layer, "left_padding", None) is not None or getattr(layer, "lengths", None) is not None:
+        raise MTPError("a linear-attention cache still inside a padded batch prefill")
+    return state
 
 
 def _kind(layer) -> str | None:

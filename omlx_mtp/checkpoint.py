@@ -88,3 +88,17 @@ def tensor_infos(path: str | Path) -> dict[str, tuple[Path, str, list[int]]]:
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"{file}: corrupt or truncated safetensors file ({exc})") from None
     return infos
+
+
+def files_holding(directory: Path, prefixes: tuple[str, ...], own_shard: str) -> list[Path]:
+    """The safetensors files that may hold tensors named with ``prefixes``: the shard omlx-mtp
+    quantize writes them to (``own_shard``), else the shards the index names, else every shard."""
+    directory = Path(directory)
+    own = directory / own_shard
+    if own.is_file():
+        return [own]
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        return [directory / n for n in sorted({f for k, f in weight_map.items() if k.startswith(prefixes)})]
+    return safetensors_files(directory)

@@ -113,6 +113,10 @@ class SlotTable:
         limit = mx.array(self.lengths, dtype=mx.int32)[:, None]
         self.positions = mx.where(self.positions < limit, self.positions, -1)
 
+    def forget(self, position: int):
+        """Make one position invisible in every row (an entry written without its input)."""
+        self.positions = mx.where(self.positions == position, -1, self.positions)
+
     def advance(self, n: int):
         """Commit everything the last forward wrote (prefill)."""
         self.lengths = [length + n for length in self.lengths]

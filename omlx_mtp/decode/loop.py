@@ -28,7 +28,7 @@ from .compiled_forward import TraceCache
 from . import cache as caches
 from .sampling import SamplingParams, draft_probs, log_softmax, target_probs
 from ..targets.base import PromptEmbeddings, Target, prefill_on_host
-from .mlx_lm_caches import from_mlx_lm
+from .mlx_lm_caches import from_mlx_lm, to_mlx_lm
 
 QUERY_AT_BONUS = 0  # drafter query at the bonus token's position N (HF transformers)
 QUERY_AT_LAST = -1  # at N - 1, the position of the hidden state (vLLM, mlx-vlm)
@@ -282,6 +282,7 @@ class LiveBatch:
         started, traces = time.perf_counter(), decoder.traces_made
         steps, bonus, hidden = [], self.bonus, self.hidden
         while True:
+            decoder._absorb(self.cache, bonus[:, None], hidden)
             logits, hidden = decoder.target.forward(bonus[:, None], self.cache)
             caches.advance(self.cache, 1)
             logits = decoder._process(rows, logits, lambda r, i: rows[r].history)
@@ -359,6 +360,10 @@ class SpeculativeDecoder:
         self.query_offset = query_offset
         self.prefill_step = prefill_step
         self.drafter_kinds = sorted(set(getattr(drafter, "layer_types", [])))
+        # A drafter with its own K/V (a built-in MTP head) keeps it after the target's caches in
+        # one list, at the same lengths, so joins, leaves and commits move both together.
+        self.own_cache = drafter is not None and hasattr(drafter, "make_cache")
+        self.target_caches = len(target.make_cache(1, slack=1))
         self._trace_caches: OrderedDict = OrderedDict()  # name -> TraceCache (draft steps, acceptance)
         self._retired_traces = 0
         self.batch_controllers: dict = {}  # (batch size, max depth) -> DepthController, for auto
@@ -413,15 +418,20 @@ class SpeculativeDecoder:
             raise ValueError("empty prompt")
         if embeddings is not None:
             host = prefill_on_host(self.target.plain_model(), prompt, embeddings)
-            cache, prompt = from_mlx_lm(self.target, host, self.prefill_slack(slack)), prompt[-1:]
+            cache, prompt = self.from_host(host, self.prefill_slack(slack)), prompt[-1:]
         step = self.prefill_step
         if cache is None:
-            cache = self.target.make_cache(1, slack=self.prefill_slack(slack))
+            cache = self.make_cache(1, slack=self.prefill_slack(slack))
         tokens = mx.array(prompt, dtype=mx.int32)[None]
+        previous = None  # the hidden state before the chunk, where known
         for start in range(0, len(prompt), step):
             chunk = tokens[:, start : start + step]
             last = start + step >= len(prompt)
             hidden = self.target.hidden(chunk, cache)
+            if self.own_cache:
+                before = hidden[:, :1] if previous is None else previous  # a stand-in when unknown
+                self._absorb(cache, chunk, mx.concatenate([before, hidden[:, :-1]], axis=1), previous is None)
+                previous = hidden[:, -1:]
             caches.advance(cache, chunk.shape[1])
             if not last:
                 mx.eval([c.state for c in cache])
@@ -430,6 +440,38 @@ class SpeculativeDecoder:
         caches.shrink_slack(cache, slack)
         mx.eval(hidden, logits, [c.state for c in cache])
         return cache, hidden, logits
+
+    def make_cache(self, batch_size: int, slack: int) -> list:
+        cache = self.target.make_cache(batch_size, slack=slack)
+        return cache + self.drafter.make_cache(batch_size, slack) if self.own_cache else cache
+
+    def from_host(self, host_caches: list, slack: int) -> list:
+        """One request's host (mlx-lm) caches -> ours; a drafter's own cache starts at the same
+        length with nothing in it (the host's prefill left no hidden states to fill it from)."""
+        cache = from_mlx_lm(self.target, host_caches, slack)
+        if self.own_cache:
+            own = self.drafter.make_cache(1, slack)
+            for table in caches.tables_of(own):
+                table.lengths = list(caches.lengths_of(cache))
+            cache += own
+        return cache
+
+    def to_host(self, cache: list, row: int = 0) -> list:
+        return to_mlx_lm(self.target, cache[: self.target_caches], row)
+
+    def _absorb(self, cache: list, tokens: mx.array, hidden: mx.array, first_unknown: bool = False) -> None:
+        """Hand the drafter the pairs (hidden[:, i] at t - 1, tokens[:, i] at t) for the positions
+        the target writes in this forward (tokens [B, L], hidden [B, L, H]).  ``first_unknown``: the
+        first pair's hidden state is a stand-in (the host prefilled what came before); its entry
+        is made invisible."""
+        if not self.own_cache:
+            return
+        own = cache[self.target_caches :]
+        start = caches.lengths_of(own)[0]
+        self.drafter.absorb(self.target, own, tokens, hidden)
+        if first_unknown:
+            for table in caches.tables_of(own):
+                table.forget(start)
 
     def cache_at(self, cache: list, pending: mx.array, length: int) -> list:
         """A one-row cache cut back to ``length`` tokens, or grown by feeding ``pending`` [1]
@@ -477,6 +519,7 @@ class SpeculativeDecoder:
             drafts, q = self._draft(rows, cache, bonus, hidden, K, draft_key)
         verify = mx.concatenate([bonus[:, None], drafts], axis=1)
         logits, verify_hidden = self.target.forward(verify, cache)
+        self._absorb(cache, verify, mx.concatenate([hidden, verify_hidden[:, :-1]], axis=1))
         logits = self._process(rows, logits, lambda r, i: mx.concatenate([rows[r].history, drafts[r, :i]]))
         n, nxt, new_hidden = self._accept(rows, drafts, q, logits, verify_hidden, accept_key,
                                           caps if caps is not None else [K] * len(rows))
@@ -512,21 +555,37 @@ class SpeculativeDecoder:
         B = bonus.shape[0]
         if K == 0:
             return mx.zeros((B, 0), dtype=mx.int32), mx.zeros((B, 0, self.target.vocab_size), dtype=mx.float32)
-        query_position, context = self.draft_context(cache)
         temps = [row.request.params.temperature for row in rows]
         sampled = any(t > 0 for t in temps)
         temp = mx.array([t if t > 0 else 1.0 for t in temps], dtype=mx.float32)[:, None]
         is_greedy = mx.array([t <= 0 for t in temps])
+        if self.own_cache:
+            own = cache[self.target_caches :]
+            start = list(caches.lengths_of(own))
+
+            def step(token, h, step_key):
+                logits, h = self.drafter.step(self.target, token, h, own)
+                caches.advance(own, 1)
+                if not sampled:
+                    return mx.argmax(logits, axis=-1).astype(mx.int32), None, h
+                return (*draw_draft(logits, temp, is_greedy, step_key), h)
+        else:
+            query_position, context = self.draft_context(cache)
+
+            def step(token, h, step_key):
+                if sampled:
+                    return self._sampled_step(token, h, query_position, temp, is_greedy, step_key, *context)
+                best, h = self._greedy_step(token, h, query_position, *context)
+                return best, None, h
         token, h = bonus[:, None], hidden
         drafts, qs = [], []
         for step_key in mx.random.split(key, K):
-            if sampled:
-                best, q, h = self._sampled_step(token, h, query_position, temp, is_greedy, step_key, *context)
-                qs.append(q)
-            else:
-                best, h = self._greedy_step(token, h, query_position, *context)
+            best, q, h = step(token, h, step_key)
+            qs.append(q)
             drafts.append(best)
             token = best[:, None]
+        if self.own_cache:
+            caches.commit(own, start)  # what the draft steps wrote is taken back; the round writes the true pairs
         q = mx.stack(qs, axis=1) if sampled else None
         return mx.stack(drafts, axis=1), q
 
@@ -563,9 +622,7 @@ class SpeculativeDecoder:
     def _sampled_step(self):
         def step(token, h, position, temp, is_greedy, key, *context):
             logits, h = self._drafter_logits(token, h, position, context)
-            q = draft_probs(logits, temp)
-            draw = mx.random.categorical(mx.log(q), key=key).astype(mx.int32)
-            return mx.where(is_greedy, mx.argmax(logits, axis=-1).astype(mx.int32), draw), q, h
+            return (*draw_draft(logits, temp, is_greedy, key), h)
 
         return self._traced("sampled-step", step)
 
@@ -623,6 +680,14 @@ class SpeculativeDecoder:
             else:
                 out.append(target_probs(logits[r], params))
         return mx.stack(out)
+
+
+def draw_draft(logits: mx.array, temp: mx.array, is_greedy: mx.array, key) -> tuple[mx.array, mx.array]:
+    """A draft per row from the drafter's logits [B, V] (argmax for greedy rows), and the
+    distribution q it was drawn from."""
+    q = draft_probs(logits, temp)
+    draw = mx.random.categorical(mx.log(q), key=key).astype(mx.int32)
+    return mx.where(is_greedy, mx.argmax(logits, axis=-1).astype(mx.int32), draw), q
 
 
 def _select(keep: list[int], total: int, bonus, hidden, cache):

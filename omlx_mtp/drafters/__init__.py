@@ -3,12 +3,11 @@ and assistants merged into a target checkpoint by ``omlx-mtp quantize --assistan
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import mlx.core as mx
 
-from ..checkpoint import read_config, safetensors_files
+from ..checkpoint import files_holding, read_config
 from ..errors import CheckpointError
 from ..mtp_tensors import mtp_shard
 from . import gemma4_assistant
@@ -49,7 +48,7 @@ def load_merged_drafter(model_dir: str | Path, target):
         return None
     assistant_config, prefix = merged
     weights = {}
-    for file in _files_with_prefix(directory, prefix, config):
+    for file in files_holding(directory, (prefix,), mtp_shard(config)):
         weights.update({k[len(prefix):]: v for k, v in mx.load(str(file)).items() if k.startswith(prefix)})
     if not weights:
         raise CheckpointError(f"{directory}: config.json embeds an assistant but no {prefix}* tensors were found")
@@ -61,15 +60,3 @@ def load_merged_drafter(model_dir: str | Path, target):
     drafter = gemma4_assistant.build_gemma4_assistant(assistant_config, weights, quantization, str(directory))
     gemma4_assistant.check_fits(drafter, target, where=f"assistant merged into {directory}")
     return drafter
-
-
-def _files_with_prefix(directory: Path, prefix: str, config: dict) -> list[Path]:
-    own = directory / mtp_shard(config)  # where omlx-mtp quantize puts them
-    if own.is_file():
-        return [own]
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        names = sorted({f for k, f in weight_map.items() if k.startswith(prefix)})
-        return [directory / n for n in names]
-    return safetensors_files(directory)

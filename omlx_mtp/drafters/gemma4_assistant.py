@@ -20,6 +20,7 @@ from mlx_lm.models import gemma4_text
 
 from ..checkpoint import load_weights, read_config
 from ..errors import CheckpointError, DrafterMismatchError
+from .quantized import quantize_like_checkpoint
 from ..gemma4_config import FULL, SLIDING, layer_head_dim, layer_kv_heads, normalize_text_config, text_config_of
 
 MODEL_TYPE = "gemma4_assistant"
@@ -199,7 +200,7 @@ def build_gemma4_assistant(config: dict, weights: dict, quantization: dict | Non
     drafter = Gemma4AssistantDrafter(normalize_assistant_config(config, f"{where}: assistant config"))
     weights = drafter.sanitize(weights)
     if quantization:
-        _quantize_like_checkpoint(drafter, quantization, weights)
+        quantize_like_checkpoint(drafter, quantization, weights)
     try:
         drafter.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:
@@ -207,26 +208,6 @@ def build_gemma4_assistant(config: dict, weights: dict, quantization: dict | Non
     drafter.eval()
     mx.eval(drafter.parameters())
     return drafter
-
-
-def _quantize_like_checkpoint(drafter: nn.Module, quantization: dict, weights: dict) -> None:
-    """Turn layers into quantized ones where the checkpoint holds quantized weights."""
-
-    def predicate(path, module):
-        if f"{path}.scales" not in weights:
-            return False
-        override = quantization.get(path)
-        if isinstance(override, dict):
-            return override
-        return hasattr(module, "to_quantized")
-
-    nn.quantize(
-        drafter,
-        group_size=quantization.get("group_size", 64),
-        bits=quantization.get("bits", 4),
-        mode=quantization.get("mode", "affine"),
-        class_predicate=predicate,
-    )
 
 
 __all__ = [

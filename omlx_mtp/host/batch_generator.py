@@ -23,7 +23,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..decode.loop import DecodeStats, Request, SpeculativeDecoder
-from ..decode.mlx_lm_caches import from_mlx_lm, to_mlx_lm
+
 from ..decode.sampling import SamplingParams, log_softmax
 from ..errors import MTPError
 
@@ -129,7 +129,7 @@ class MTPBatchGenerator:
         decoder, batch = self.decoder, self.batch
         try:
             slack = decoder.prefill_slack(batch.max_depth + 1)
-            cache = from_mlx_lm(decoder.target, p.cache, slack) if p.cache else decoder.target.make_cache(1, slack)
+            cache = decoder.from_host(p.cache, slack) if p.cache else decoder.make_cache(1, slack)
         except MTPError as exc:
             log.info("omlx-mtp: request uid %d decodes plain: %s", p.uid, exc)
             return self._insert_plain(p)
@@ -174,7 +174,7 @@ class MTPBatchGenerator:
         return out
 
     def _attach_cache(self, response, row, cache) -> None:
-        response.prompt_cache = to_mlx_lm(self.decoder.target, cache)
+        response.prompt_cache = self.decoder.to_host(cache)
         self.totals = DecodeStats.pooled([self.totals, row.stats])
         if "all_tokens" in self._response_fields:
             response.all_tokens = list(row.request.prompt) + row.generated + (

@@ -11,7 +11,10 @@ from .checkpoint import check_safetensors_header, read_config, safetensors_files
 from .errors import CheckpointError
 from .gemma4_config import normalize_text_config
 
-SUPPORTED_TARGETS = ("gemma4", "gemma4_text")
+SUPPORTED_TARGETS = ("gemma4", "gemma4_text", "qwen3_5", "qwen3_5_moe")
+# Multimodal checkpoints of these families load through mlx-vlm (a target module wraps its model);
+# others load their text model through mlx-lm, whose sanitizer drops the towers.
+VLM_TARGETS = ("gemma4",)
 
 
 def target_config_overrides(config: dict, where: str) -> dict:
@@ -30,7 +33,7 @@ def is_multimodal(config: dict) -> bool:
 
 
 def load_target(path: str | Path, with_tokenizer: bool = True):
-    """Return (model, tokenizer or None, config) for a Gemma 4 checkpoint directory."""
+    """Return (model, tokenizer or None, config) for a checkpoint directory of a supported family."""
     directory = Path(path)
     config = read_config(directory)
     model_type = config.get("model_type")
@@ -42,7 +45,7 @@ def load_target(path: str | Path, with_tokenizer: bool = True):
     for file in safetensors_files(directory):
         check_safetensors_header(file)
     try:
-        if is_multimodal(config):
+        if is_multimodal(config) and model_type in VLM_TARGETS:
             model = _load_vlm(directory)
         else:
             model, _ = load_model(directory, model_config=target_config_overrides(config, str(directory / "config.json")))

@@ -29,6 +29,7 @@ class SlotTable:
         self.capacity = None if window is None else window + slack
         self.positions = mx.full((batch_size, 0), -1, dtype=mx.int32)
         self.lengths = [0] * batch_size  # committed tokens per row; host-side, known after acceptance
+        self.complete = True  # every position below a row's length is held (none forgotten)
         self._plan = None
 
     @property
@@ -83,14 +84,14 @@ class SlotTable:
     def fetch_size(self, L: int, current: int) -> int:
         """How many slots attention reads after a forward of L tokens: just the written prefix
         while every slot there holds its own position (equal lengths, ring not wrapped)."""
-        if self.uniform and (self.capacity is None or self.lengths[0] + L <= self.capacity):
+        if self.uniform and self.complete and (self.capacity is None or self.lengths[0] + L <= self.capacity):
             return self.lengths[0] + L
         return max(self.lengths) + L if self.capacity is None else self.capacity
 
     def make_mask(self, N: int, current: int, window_size: int | None = None, as_array: bool = False):
         window = window_size or self.window
         size = self.fetch_size(N, current)
-        prefix = self.uniform and size == self.lengths[0] + N
+        prefix = self.uniform and self.complete and size == self.lengths[0] + N
         if prefix and not as_array and (window is None or size <= window):
             return None if N == 1 else "causal"
         _, positions = self.plan(N, current)
@@ -116,6 +117,12 @@ class SlotTable:
     def forget(self, position: int):
         """Make one position invisible in every row (an entry written without its input)."""
         self.positions = mx.where(self.positions == position, -1, self.positions)
+        self.complete = False
+
+    def start_at(self, lengths: list[int]):
+        """Rows that begin at these lengths with nothing before them visible."""
+        self.lengths = list(lengths)
+        self.complete = False
 
     def advance(self, n: int):
         """Commit everything the last forward wrote (prefill)."""
@@ -148,6 +155,7 @@ class SlotTable:
         out = cls(1, window=tables[0].window, slack=0)
         out.capacity = tables[0].capacity
         out.lengths = [n for t in tables for n in t.lengths]
+        out.complete = all(t.complete for t in tables)
         size = max(t.positions.shape[1] for t in tables)
         out.positions = mx.concatenate([_pad_axis(t.positions, size, 1, -1) for t in tables], axis=0)
         return out
@@ -156,6 +164,7 @@ class SlotTable:
         out = SlotTable(1, window=self.window, slack=0)
         out.capacity = self.capacity
         out.lengths = [self.lengths[r] for r in rows]
+        out.complete = self.complete
         out.positions = self.positions[mx.array(rows, dtype=mx.int32)]
         return out
 

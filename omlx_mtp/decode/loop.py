@@ -452,7 +452,7 @@ class SpeculativeDecoder:
         if self.own_cache:
             own = self.drafter.make_cache(1, slack)
             for table in caches.tables_of(own):
-                table.lengths = list(caches.lengths_of(cache))
+                table.start_at(caches.lengths_of(cache))
             cache += own
         return cache
 

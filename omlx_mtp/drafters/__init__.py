@@ -1,5 +1,6 @@
-"""Drafter families, looked up by the ``model_type`` in a drafter checkpoint's config.json,
-and assistants merged into a target checkpoint by ``omlx-mtp quantize --assistant``."""
+"""Drafter families: separate checkpoints looked up by the ``model_type`` in their config.json,
+assistants merged into a target checkpoint by ``omlx-mtp quantize --assistant``, and the MTP
+heads that checkpoints ship."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import mlx.core as mx
 from ..checkpoint import files_holding, read_config
 from ..errors import CheckpointError
 from ..mtp_tensors import mtp_shard
-from . import gemma4_assistant
+from . import gemma4_assistant, qwen3_5_mtp
 
 LOADERS = {gemma4_assistant.MODEL_TYPE: (gemma4_assistant.load_gemma4_assistant, gemma4_assistant.check_fits)}
 
@@ -40,9 +41,14 @@ def merged_assistant_config(config: dict) -> tuple[dict, str] | None:
 
 
 def load_merged_drafter(model_dir: str | Path, target):
-    """The assistant merged into ``model_dir``, or None when there is none."""
+    """The drafter inside ``model_dir``: the MTP head the checkpoint ships (Qwen3.5/3.6) or an
+    assistant merged in by ``omlx-mtp quantize --assistant``; None when there is neither."""
     directory = Path(model_dir)
     config = read_config(directory)
+    if qwen3_5_mtp.has_head(config):
+        head = qwen3_5_mtp.load_built_in_head(directory, target)
+        qwen3_5_mtp.check_fits(head, target, where=f"MTP head of {directory}")
+        return head
     merged = merged_assistant_config(config)
     if merged is None:
         return None

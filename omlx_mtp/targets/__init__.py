@@ -10,8 +10,9 @@ from ..errors import MTPError
 from .base import PromptEmbeddings, Target
 from .gemma4_mlx_lm import Gemma4MlxLmTarget
 from .gemma4_mlx_vlm import Gemma4MlxVlmTarget
+from .qwen3_5_mlx_lm import Qwen35MlxLmTarget
 
-FAMILIES: tuple[type[Target], ...] = (Gemma4MlxLmTarget, Gemma4MlxVlmTarget)
+FAMILIES: tuple[type[Target], ...] = (Gemma4MlxLmTarget, Gemma4MlxVlmTarget, Qwen35MlxLmTarget)
 
 
 class UnsupportedTarget(MTPError):
@@ -35,4 +36,4 @@ def wrap_target(model, compiled: bool | None = None) -> Target:
     )
 
 
-__all__ = ["FAMILIES", "Gemma4MlxLmTarget", "Gemma4MlxVlmTarget", "PromptEmbeddings", "Target", "UnsupportedTarget", "host_model", "wrap_target"]
+__all__ = ["FAMILIES", "Gemma4MlxLmTarget", "Gemma4MlxVlmTarget", "PromptEmbeddings", "Qwen35MlxLmTarget", "Target", "UnsupportedTarget", "host_model", "wrap_target"]

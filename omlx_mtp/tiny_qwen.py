@@ -1,0 +1,148 @@
+"""Tiny Qwen3.5-shaped checkpoints (dense or MoE) with a built-in MTP head and random weights,
+laid out as Qwen publishes them: ``model.language_model.*`` trunk, ``lm_head``, top-level ``mtp.*``,
+RMSNorm weights stored as offsets from 1, the conv1d weight as [C, 1, k], MoE trunk experts fused
+(``experts.gate_up_proj``) and the head's experts per expert (Qwen3.5) or fused (Qwen3.6).
+
+The weights are made by mlx-lm's own model (and this package's head) and written back in the
+published convention, so loading them exercises mlx-lm's sanitizer and ours."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import qwen3_5
+
+from .drafters.qwen3_5_mtp import Qwen35MTPHead
+from .tiny import TinySpec, randomize, write_tokenizer
+
+_TRUNK_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
+                ".q_norm.weight", ".k_norm.weight")
+_HEAD_NORMS = ("pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight",
+               "input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight")
+
+
+@dataclass
+class TinyQwenSpec:
+    moe: bool = False
+    head_experts: str = "per_expert"  # or "fused" (the MTP layer's MoE experts, MoE only)
+    vocab_size: int = 512
+    hidden_size: int = 64
+    num_layers: int = 4
+    full_attention_interval: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    num_experts: int = 4
+    embed_std: float = 0.02
+    layer_std: float = 0.3
+    dtype: str = "float32"
+
+
+def text_config(spec: TinyQwenSpec) -> dict:
+    config = {
+        "model_type": "qwen3_5_moe_text" if spec.moe else "qwen3_5_text",
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": 2 * spec.hidden_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "vocab_size": spec.vocab_size,
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": spec.full_attention_interval,
+        "layer_types": ["full_attention" if (i + 1) % spec.full_attention_interval == 0 else "linear_attention"
+                        for i in range(spec.num_layers)],
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "attn_output_gate": True,
+        "max_position_embeddings": 4096,
+        "mtp_num_hidden_layers": 1,
+        "mtp_use_dedicated_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                            "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+    }
+    if spec.moe:
+        config.update(num_experts=spec.num_experts, num_experts_per_tok=2, moe_intermediate_size=spec.hidden_size // 2,
+                      shared_expert_intermediate_size=spec.hidden_size // 2, decoder_sparse_step=1, norm_topk_prob=True)
+    return config
+
+
+def published_config(spec: TinyQwenSpec) -> dict:
+    moe = spec.moe
+    return {
+        "model_type": "qwen3_5_moe" if moe else "qwen3_5",
+        "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
+        "text_config": text_config(spec),
+        "tie_word_embeddings": False,
+    }
+
+
+def build(spec: TinyQwenSpec, seed: int = 0) -> tuple[qwen3_5.Model, Qwen35MTPHead]:
+    """mlx-lm's model and the head, with random weights in mlx-lm's convention."""
+    rng = np.random.default_rng(seed)
+    like = TinySpec(embed_std=spec.embed_std, layer_std=spec.layer_std, dtype=spec.dtype)
+    model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict(published_config(spec)))
+    model.load_weights(list(randomize(model, like, rng).items()))
+    head = Qwen35MTPHead(model.language_model.args)
+    head.load_weights(list(randomize(head, like, rng).items()))
+    mx.eval(model.parameters(), head.parameters())
+    return model, head
+
+
+def published_tensors(model: qwen3_5.Model, head: Qwen35MTPHead, spec: TinyQwenSpec) -> dict:
+    """mlx-lm's weights written back as Qwen publishes them."""
+    from mlx.utils import tree_flatten
+
+    out = {}
+    for name, value in tree_flatten(model.parameters()):
+        name = name.replace("language_model.model.", "model.language_model.").replace("language_model.lm_head.", "lm_head.")
+        if name.endswith("conv1d.weight"):
+            value = value.moveaxis(1, 2)
+        if value.ndim == 1 and name.endswith(_TRUNK_NORMS):
+            value = value - 1.0
+        out[name] = value
+    _fuse_experts(out, "model.language_model.layers.")
+    for name, value in tree_flatten(head.parameters()):
+        if value.ndim == 1 and name.endswith(_HEAD_NORMS):
+            value = value - 1.0
+        out["mtp." + name] = value
+    if spec.head_experts == "fused":
+        _fuse_experts(out, "mtp.layers.")
+    else:
+        for name in [n for n in out if n.startswith("mtp.") and ".switch_mlp." in n]:
+            stacked = out.pop(name)
+            base, rest = name.split(".switch_mlp.")
+            for e in range(stacked.shape[0]):
+                out[f"{base}.experts.{e}.{rest}"] = stacked[e]
+    return out
+
+
+def _fuse_experts(tensors: dict, prefix: str) -> None:
+    for gate in [n for n in tensors if n.startswith(prefix) and n.endswith("switch_mlp.gate_proj.weight")]:
+        base = gate[: -len("switch_mlp.gate_proj.weight")]
+        up = tensors.pop(base + "switch_mlp.up_proj.weight")
+        tensors[base + "experts.gate_up_proj"] = mx.concatenate([tensors.pop(gate), up], axis=-2)
+        tensors[base + "experts.down_proj"] = tensors.pop(base + "switch_mlp.down_proj.weight")
+
+
+def write_qwen(directory: str | Path, spec: TinyQwenSpec | None = None, seed: int = 0, with_head: bool = True) -> Path:
+    """A checkpoint directory (config, safetensors, tokenizer) in the published layout."""
+    spec = spec or TinyQwenSpec()
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model, head = build(spec, seed)
+    tensors = published_tensors(model, head, spec)
+    if not with_head:
+        tensors = {k: v for k, v in tensors.items() if not k.startswith("mtp.")}
+    mx.save_safetensors(str(directory / "model.safetensors"), tensors, metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(published_config(spec), indent=2))
+    write_tokenizer(directory, spec.vocab_size)
+    return directory

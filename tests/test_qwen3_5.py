@@ -1,0 +1,217 @@
+"""Qwen3.5 / Qwen3.6 with their built-in MTP heads: hybrid targets (Gated DeltaNet + full attention)
+decoded through the same loop, lossless in float32, linear-attention state taken back per row."""
+
+from __future__ import annotations
+
+import importlib
+import types
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from omlx_mtp.decode import cache as caches
+from omlx_mtp.decode.linear_state import LinearStateCache
+from omlx_mtp.decode.loop import Request, SpeculativeDecoder
+from omlx_mtp.decode.oracle import OracleDrafter
+from omlx_mtp.decode.sampling import SamplingParams
+from omlx_mtp.drafters import load_merged_drafter
+from omlx_mtp.errors import CheckpointError
+from omlx_mtp.host.batch_generator import MTPBatchGenerator
+from omlx_mtp.models import load_target
+from omlx_mtp.runner import run_plain
+from omlx_mtp.targets import Qwen35MlxLmTarget, wrap_target
+from omlx_mtp.tiny_qwen import TinyQwenSpec, build, write_qwen
+
+from .conftest import prompts
+from .stats import chi_square_p_value
+from .test_batch_generator import fresh, plain_generator, run
+from .test_sampling_lossless import CASES, PROMPT, STEPS, VOCAB, MixtureDrafter, exact_joint
+
+mlx_generate = importlib.import_module("mlx_lm.generate")
+MAX_TOKENS = 150
+
+
+class Checkpoint:
+    def __init__(self, directory, spec):
+        self.spec = spec
+        self.dir = write_qwen(directory, spec)
+        self.model, self.tokenizer, _ = load_target(self.dir)
+        self.target = wrap_target(self.model)
+        self.head = load_merged_drafter(self.dir, self.target)
+        batch = prompts(20, spec.vocab_size, seed=11)
+        self.references = {tuple(p): run_plain(self.model, Request(p, max_tokens=MAX_TOKENS)).row.generated
+                           for p in batch}
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def qwen(request, tmp_path_factory):
+    spec = TinyQwenSpec(moe=request.param == "moe", head_experts="per_expert")
+    return Checkpoint(tmp_path_factory.mktemp(f"qwen-{request.param}"), spec)
+
+
+def _generate(checkpoint, drafter, K):
+    requests = [Request(list(p), max_tokens=MAX_TOKENS) for p in checkpoint.references]
+    rows = SpeculativeDecoder(checkpoint.target, drafter, draft_tokens=K).generate(requests)
+    mismatches = [r.prompt for r, row in zip(requests, rows) if row.generated != checkpoint.references[tuple(r.prompt)]]
+    return rows, mismatches
+
+
+def test_fixture_is_hybrid_and_wanders(qwen):
+    assert isinstance(qwen.target, Qwen35MlxLmTarget)
+    assert any(qwen.target.linear) and not all(qwen.target.linear)
+    for tokens in qwen.references.values():
+        assert len(set(tokens)) >= 40, tokens  # DESIGN §8: a repeating model proves nothing
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_built_in_head_greedy_equals_plain(qwen, K):
+    rows, mismatches = _generate(qwen, qwen.head, K)
+    assert not mismatches
+    assert all(row.finish_reason == "length" for row in rows)
+    assert sum(row.stats.drafted for row in rows) > 0
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_oracle_with_errors_rolls_back_every_round(qwen, K):
+    oracle = OracleDrafter(qwen.references, qwen.spec.vocab_size, error_rate=0.25, seed=K)
+    rows, mismatches = _generate(qwen, oracle, K)
+    assert not mismatches
+    rate = sum(r.stats.accepted for r in rows) / sum(r.stats.drafted for r in rows)
+    assert 0.3 < rate < 0.95  # partial acceptance in most rounds: rows keep different n
+
+
+def test_skipping_the_linear_state_rollback_breaks_losslessness(qwen, monkeypatch):
+    """The mutation the rollback exists for: keep the state after every draft."""
+    monkeypatch.setattr(LinearStateCache, "keep", lambda self, kept: None)
+    oracle = OracleDrafter(qwen.references, qwen.spec.vocab_size, error_rate=0.25, seed=2)
+    _, mismatches = _generate(qwen, oracle, 2)
+    assert mismatches
+
+
+def test_head_reads_exactly_the_committed_pairs(qwen):
+    """Every first draft equals the head run from scratch over the true (hidden, next token) pairs
+    of everything committed: the head's own K/V holds the verified pairs, never a draft's."""
+    head, target = qwen.head, qwen.target
+    seen = []
+    original = head.step
+
+    def recording(target_, token, h, cache):
+        logits, out = original(target_, token, h, cache)
+        seen.append((list(caches.lengths_of(cache)), token[:, 0].tolist(), mx.argmax(logits, axis=-1).tolist()))
+        return logits, out
+
+    head.step = recording
+    try:
+        batch = list(qwen.references)[:3]
+        rows = SpeculativeDecoder(target, head, draft_tokens=1).generate([Request(list(p), max_tokens=30) for p in batch])
+    finally:
+        del head.step
+    checked = 0
+    for lengths, tokens, drafts in seen[::4]:  # a sample of rounds keeps the test short
+        for r, (N, token, draft) in enumerate(zip(lengths, tokens, drafts)):
+            sequence = list(batch[r]) + rows[r].generated
+            if N >= len(sequence) or sequence[N] != token:
+                continue  # a finished row's slot
+            assert draft == _draft_from_scratch(qwen, sequence[: N + 1])
+            checked += 1
+    assert checked >= 10
+
+
+def _draft_from_scratch(qwen, sequence):
+    target, head = qwen.target, qwen.head
+    cache = target.make_cache(1, slack=len(sequence))
+    hidden = target.hidden(mx.array([sequence[:-1]]), cache)  # T_0 .. T_{N-1}
+    own = head.make_cache(1, slack=len(sequence))
+    for table in caches.tables_of(own):
+        table.start_at([1])  # position 0 has no pair
+    out = head._run(target, mx.array([sequence[1:]]), hidden, own)
+    return int(mx.argmax(target.head(out[:, -1]), axis=-1).item())
+
+
+def test_rows_joining_late_through_the_host_api(qwen):
+    """oMLX's path: prefilled outside, inserted with mlx-lm caches (ArraysCache for linear layers),
+    rows joining while others run; finished caches go back as the host's classes."""
+    pair = types.SimpleNamespace(model=qwen.model, target=qwen.target)
+    requests = [{"prompt": list(p), "max_tokens": 60} for p in list(qwen.references)[:5]]
+    plain = run(plain_generator(qwen.model), qwen.model, fresh(requests))
+    decoder = SpeculativeDecoder(pair.target, qwen.head, draft_tokens=3)
+    generator = MTPBatchGenerator(decoder, mlx_generate.BatchGenerator, model=qwen.model, max_tokens=60)
+    ours = run(generator, qwen.model, fresh(requests), insert_at={2: 3, 3: 3, 4: 7})
+    for (tokens, reason, cache), (ref_tokens, ref_reason, ref_cache) in zip(ours, plain):
+        assert tokens == ref_tokens and reason == ref_reason
+        assert [type(c).__name__ for c in cache] == [type(c).__name__ for c in ref_cache]
+        for mine, theirs in zip(cache, ref_cache):
+            if type(mine).__name__ == "ArraysCache":  # the linear state plain decoding left
+                assert all(mx.allclose(a, b, atol=1e-5).item() for a, b in zip(mine.cache, theirs.cache))
+    assert generator.totals.drafted > 0
+
+
+def test_far_past_a_prefill_chunk_with_a_small_prefill_step(qwen):
+    prompt = prompts(1, qwen.spec.vocab_size, seed=5, lengths=(300,))[0]
+    expected = run_plain(qwen.model, Request(prompt, max_tokens=40)).row.generated
+    decoder = SpeculativeDecoder(qwen.target, qwen.head, draft_tokens=2, prefill_step=64)
+    assert decoder.generate([Request(prompt, max_tokens=40)])[0].generated == expected
+
+
+def test_fused_head_experts_load_like_per_expert(tmp_path):
+    """Qwen3.6 ships the head's MoE experts fused, Qwen3.5 per expert: both give the same head."""
+    from mlx.utils import tree_flatten
+
+    spec = TinyQwenSpec(moe=True, head_experts="fused")
+    directory = write_qwen(tmp_path / "fused", spec)
+    model, _, _ = load_target(directory, with_tokenizer=False)
+    loaded = load_merged_drafter(directory, wrap_target(model))
+    _, built = build(spec)
+    expected = dict(tree_flatten(built.parameters()))
+    got = dict(tree_flatten(loaded.parameters()))
+    assert expected.keys() == got.keys()
+    assert all(mx.array_equal(expected[k], got[k]).item() for k in expected)
+
+
+def test_checkpoint_without_head_tensors_is_refused(tmp_path):
+    directory = write_qwen(tmp_path / "nohead", TinyQwenSpec(), with_head=False)
+    model, _, _ = load_target(directory, with_tokenizer=False)
+    with pytest.raises(CheckpointError, match="no mtp"):
+        load_merged_drafter(directory, wrap_target(model))
+
+
+def test_head_that_does_not_fit_is_refused(tmp_path):
+    import json
+
+    directory = write_qwen(tmp_path / "misfit", TinyQwenSpec())
+    other = write_qwen(tmp_path / "wide", TinyQwenSpec(hidden_size=96))
+    (directory / "mtp.safetensors").write_bytes(b"")
+    tensors = {k: v for k, v in mx.load(str(other / "model.safetensors")).items() if k.startswith("mtp.")}
+    mx.save_safetensors(str(directory / "mtp.safetensors"), tensors)
+    json.loads((directory / "config.json").read_text())
+    model, _, _ = load_target(directory, with_tokenizer=False)
+    with pytest.raises(CheckpointError, match="do not fit"):
+        load_merged_drafter(directory, wrap_target(model))
+
+
+@pytest.fixture(scope="module")
+def small_qwen():
+    spec = TinyQwenSpec(vocab_size=VOCAB, embed_std=0.15)
+    model, head = build(spec, seed=3)
+    return model, wrap_target(model), head
+
+
+@pytest.mark.parametrize("drafter_kind", ["head", "mixture"])
+@pytest.mark.parametrize("params", CASES, ids=["T1", "T0.7", "T1-top_p", "T0.7-top_p-rep"])
+def test_sampling_matches_exact_distribution(small_qwen, params, drafter_kind):
+    model, target, head = small_qwen
+    joint = exact_joint(model, params)
+    drafter = head if drafter_kind == "head" else MixtureDrafter(joint)
+    rows = SpeculativeDecoder(target, drafter, draft_tokens=2).generate(
+        [Request(PROMPT, params, max_tokens=STEPS) for _ in range(2000)], seed=99)
+    samples = np.array([r.generated for r in rows])
+    accepted = sum(r.stats.accepted for r in rows)
+    assert 0 < accepted < sum(r.stats.drafted for r in rows)
+    axes = tuple(range(STEPS))
+    for position in range(STEPS):
+        marginal = joint.sum(axis=tuple(a for a in axes if a != position))
+        assert chi_square_p_value(np.bincount(samples[:, position], minlength=VOCAB), marginal) > 1e-3, position
+    pair = joint.sum(axis=(0, 3))
+    counts = np.bincount(samples[:, 1] * VOCAB + samples[:, 2], minlength=VOCAB * VOCAB)
+    assert chi_square_p_value(counts, pair) > 1e-3

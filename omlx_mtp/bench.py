@@ -17,6 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .decode import cache as caches
+from .decode.linear_state import LinearStateCache
 from .decode.loop import DecodeStats, Request, SpeculativeDecoder
 from .decode.sampling import SamplingParams
 from .decode.oracle import OracleDrafter
@@ -59,6 +60,31 @@ def component_costs(session: Session, prompt: list[int], K: int) -> dict:
             mx.eval(*decoder._greedy_step(token, h_prev, position, *context))
 
         costs["draft_ms"] = _median_ms(draft)
+    elif session.drafter is not None and hasattr(session.drafter, "make_cache"):  # a head with its own K/V
+        own = session.drafter.make_cache(1, slack=len(prompt) + K + 1)
+        for table in caches.tables_of(own):
+            table.start_at([length])
+        token, h_prev = mx.zeros((1, 1), dtype=mx.int32), hidden[:, -1:]
+
+        def draft():  # one draft step, taken back
+            mx.eval(*session.drafter.step(target, token, h_prev, own))
+            caches.commit(own, [length])
+
+        costs["draft_ms"] = _median_ms(draft)
+    if any(isinstance(c, LinearStateCache) for c in cache):
+        def verify_and_take_back():  # the worst case: one of K + 1 positions kept
+            logits, h = target.forward(mx.zeros((1, K + 1), dtype=mx.int32), cache)
+            mx.eval(logits, h)
+            saved = [list(c.cache) if isinstance(c, LinearStateCache) else None for c in cache]
+            caches.commit(cache, [length + 1])
+            mx.eval([c.state for c in cache])
+            for c, state in zip(cache, saved):
+                if state is not None:
+                    c.cache = state
+            for table in caches.tables_of(cache):
+                table.commit([length])
+
+        costs["rollback_ms"] = max(_median_ms(verify_and_take_back) - costs["verify_ms"], 0.0)
     return costs
 
 
@@ -306,6 +332,8 @@ def _run_bench(tmp: Path, model, drafter, draft_tokens, max_tokens, repeats, pro
         else:
             label = f"{model} + {drafter}"
         session = Session.load(model, drafter)
+        if peer_note is None and not session.target.family.startswith("Gemma 4"):
+            peer_note = f"the peer is run on Gemma 4 pairs only, not {session.target.family}"
         if peer_note is None:
             peer = prepare_peer(model, drafter, tmp / "peer")
     print(f"omlx-mtp bench — {label}")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .checkpoint import DTYPE_BYTES, read_config, tensor_infos
 from .drafters import merged_assistant_config
+from .drafters import qwen3_5_mtp
 from .drafters.gemma4_assistant import check_config_fits
 from .errors import CheckpointError, MTPError
 from .mtp_tensors import mtp_family
@@ -74,6 +75,15 @@ def inspect_checkpoint(directory: str | Path) -> dict:
         if not any(n.startswith(prefix) for n in infos):
             report["problems"].append(f"config.json embeds an assistant but there are no {prefix}* tensors")
         report["problems"] += report["drafter"]["problems"]
+    elif qwen3_5_mtp.has_head(config):
+        text = config.get("text_config") or config
+        report["drafter"] = {"model_type": qwen3_5_mtp.FAMILY, "built_in": True, "merged": False,
+                             "layers": qwen3_5_mtp.head_layers(config), "hidden_size": text.get("hidden_size"),
+                             "problems": []}
+        if not any(n.startswith(qwen3_5_mtp.PREFIXES) for n in infos):
+            report["drafter"]["problems"].append(
+                "config.json promises a built-in MTP head (mtp_num_hidden_layers) but there are no mtp.* tensors")
+        report["problems"] += report["drafter"]["problems"]
     elif config.get("model_type") == "gemma4_assistant":
         report["drafter"] = _describe_assistant(config, None, str(directory / "config.json"))
         report["drafter"]["merged"] = False
@@ -84,7 +94,7 @@ def inspect_checkpoint(directory: str | Path) -> dict:
 
 
 # Tensor names of the multimodal towers (mlx-vlm's names and the Hugging Face release's "model." ones).
-_TOWERS = {"vision": ("vision_tower.", "embed_vision."), "audio": ("audio_tower.", "embed_audio.")}
+_TOWERS = {"vision": ("vision_tower.", "embed_vision.", "visual."), "audio": ("audio_tower.", "embed_audio.")}
 
 
 def _towers(config: dict, infos: dict, quantization: dict | None) -> dict:
@@ -139,7 +149,10 @@ def render(report: dict) -> str:
                 precision = ", ".join(f"{k}: {v}" for k, v in tower["precision"].items())
                 lines.append(f"{kind} tower: {tower['count']} tensors ({tower['bytes'] / 1e6:.1f} MB) precision [{precision}]")
         drafter = report.get("drafter")
-        if drafter:
+        if drafter and drafter.get("built_in"):
+            lines.append(f"drafter: built-in MTP head ({drafter['model_type']}), {drafter['layers']} layer(s), "
+                         f"hidden {drafter['hidden_size']}")
+        elif drafter:
             kind = "merged assistant" if drafter["merged"] else "assistant checkpoint"
             fits = {True: ", fits the target", False: ", DOES NOT fit the target"}.get(drafter.get("fits_target"), "")
             lines.append(f"drafter: {kind}, {drafter['layers']} layers, hidden {drafter['hidden_size']}, backbone "

@@ -63,8 +63,8 @@ def omlx_load_drafter(model_id: str, model_path: str, model, settings: dict):
         else:
             drafter = load_merged_drafter(model_path, target)
             if drafter is None:
-                raise MTPError(f"{model_path} has no merged assistant and mtp_drafter is not set")
-    except (MTPError, TypeError) as exc:  # TypeError: a target that is not an mlx-lm Gemma 4 model
+                raise MTPError(f"{model_path} has neither a built-in MTP head nor a merged assistant, and mtp_drafter is not set")
+    except (MTPError, TypeError) as exc:  # TypeError: a model of a family omlx-mtp does not know
         log.warning("MTP disabled for %s: %s", model_id, exc)
         return None
     log.info("MTP drafter loaded for %s", model_id)

@@ -1,4 +1,4 @@
-"""In-memory Gemma-4-shaped target + assistant pairs at real widths, random weights, for benchmarks.
+"""In-memory target + drafter pairs at real widths, random weights, for benchmarks.
 
 ``gemma4-31b-shaped``: Gemma 4 31B's widths (hidden 5376, 32 query heads, head_dim 256 / global 512,
 16 K/V heads / 4 on K-eq-V full layers, MLP 21504, vocab 262144) with only a few layers, and a
@@ -17,6 +17,15 @@ from .errors import MTPError
 from .gemma4_config import FULL, GEMMA4_ROPE, SLIDING
 
 SHAPES = {
+    # Qwen3.5-27B: hidden 5120, 24 query / 4 K/V heads of 256, MLP 17408, Gated DeltaNet with 16 key /
+    # 48 value heads of 128, full attention every 4th layer, vocab 248320, one built-in MTP layer.
+    "qwen3.5-27b-shaped": {
+        "target": {"hidden_size": 5120, "intermediate_size": 17408, "num_attention_heads": 24, "num_key_value_heads": 4,
+                   "head_dim": 256, "vocab_size": 248320, "linear_num_key_heads": 16, "linear_num_value_heads": 48,
+                   "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+                   "full_attention_interval": 4, "tie_word_embeddings": False, "mtp_num_hidden_layers": 1,
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}},
+    },
     "gemma4-31b-shaped": {
         "target": {"hidden_size": 5376, "intermediate_size": 21504, "num_attention_heads": 32, "num_key_value_heads": 16,
                    "head_dim": 256, "global_head_dim": 512, "num_global_key_value_heads": 4, "attention_k_eq_v": True,
@@ -32,6 +41,8 @@ def synthetic_pair(name: str, layers: int = 2, dtype: str = "bfloat16"):
     if name not in SHAPES:
         raise MTPError(f"--synthetic {name!r}: known shapes are {', '.join(SHAPES)}")
     shape = SHAPES[name]
+    if name.startswith("qwen"):
+        return _qwen_pair(shape, layers, dtype)
     types = ([SLIDING] * (layers - 1) + [FULL])[:layers]
     target_config = {
         "model_type": "gemma4_text", "num_hidden_layers": layers, "layer_types": types, "num_kv_shared_layers": 0,
@@ -55,3 +66,20 @@ def synthetic_pair(name: str, layers: int = 2, dtype: str = "bfloat16"):
     drafter.set_dtype(getattr(mx, dtype))
     mx.eval(drafter.parameters())
     return wrap_target(model), drafter
+
+
+def _qwen_pair(shape: dict, layers: int, dtype: str):
+    """A Qwen3.5-shaped hybrid target (``layers`` layers, the last of each 4 full attention, at least
+    one) and its built-in MTP head."""
+    from mlx_lm.models import qwen3_5
+
+    from .drafters.qwen3_5_mtp import Qwen35MTPHead
+
+    text = {"model_type": "qwen3_5_text", "num_hidden_layers": layers, **shape["target"]}
+    text["full_attention_interval"] = min(text["full_attention_interval"], layers)
+    model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict({"model_type": "qwen3_5", "text_config": text}))
+    model.set_dtype(getattr(mx, dtype))
+    head = Qwen35MTPHead(model.language_model.args)
+    head.set_dtype(getattr(mx, dtype))
+    mx.eval(model.parameters(), head.parameters())
+    return wrap_target(model), head

@@ -215,3 +215,18 @@ def test_sampling_matches_exact_distribution(small_qwen, params, drafter_kind):
     pair = joint.sum(axis=(0, 3))
     counts = np.bincount(samples[:, 1] * VOCAB + samples[:, 2], minlength=VOCAB * VOCAB)
     assert chi_square_p_value(counts, pair) > 1e-3
+
+
+def test_plugin_loads_the_built_in_head_for_omlx(qwen, tmp_path, caplog):
+    """What oMLX's patched engine asks for: settings with mtp_enabled -> the head -> a strategy."""
+    from omlx_mtp import plugin
+
+    settings = {"mtp_enabled": True, "mtp_draft_tokens": 2}
+    drafter = plugin.omlx_load_drafter(model_id="q", model_path=str(qwen.dir), model=qwen.model, settings=settings)
+    assert drafter is not None and hasattr(drafter, "make_cache")
+    assert plugin.omlx_decode_strategy(model_id="q", model=qwen.model, drafter=drafter, settings=settings) is not None
+    bare = write_qwen(tmp_path / "bare", qwen.spec, with_head=False)
+    model, _, _ = load_target(bare, with_tokenizer=False)
+    with caplog.at_level("WARNING", logger="omlx_mtp"):
+        assert plugin.omlx_load_drafter(model_id="bare", model_path=str(bare), model=model, settings=settings) is None
+    assert "MTP disabled for bare" in caplog.text and "mtp" in caplog.text

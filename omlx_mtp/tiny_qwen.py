@@ -16,13 +16,12 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import qwen3_5
 
-from .drafters.qwen3_5_mtp import Qwen35MTPHead
+from .drafters.qwen3_5_mtp import NORMS as HEAD_NORMS, Qwen35MTPHead
 from .tiny import TinySpec, randomize, write_tokenizer
 
 _TRUNK_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
                 ".q_norm.weight", ".k_norm.weight")
-_HEAD_NORMS = ("pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight",
-               "input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight")
+
 
 
 @dataclass
@@ -111,7 +110,7 @@ def published_tensors(model: qwen3_5.Model, head: Qwen35MTPHead, spec: TinyQwenS
         out[name] = value
     _fuse_experts(out, "model.language_model.layers.")
     for name, value in tree_flatten(head.parameters()):
-        if value.ndim == 1 and name.endswith(_HEAD_NORMS):
+        if value.ndim == 1 and name.endswith(HEAD_NORMS):
             value = value - 1.0
         out["mtp." + name] = value
     if spec.head_experts == "fused":

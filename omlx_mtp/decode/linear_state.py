@@ -71,7 +71,8 @@ class LinearStateCache:
             return
         longest = max(kept)
         lengths = mx.array(kept, dtype=mx.int32)
-        replay = _Replay(before, lengths)
+        replay = LinearStateCache(self.layer, self.batch_size)  # the kept state, per-row lengths
+        replay.cache, replay.lengths = list(before), lengths
         mask = mx.arange(longest)[None] < lengths[:, None]
         self.layer.linear_attn(self.layer.input_layernorm(inputs[:, :longest]), mask, replay)
         self.cache = replay.cache
@@ -90,19 +91,3 @@ class LinearStateCache:
         out.cache = [mx.concatenate([c.cache[i] for c in caches]) for i in range(2)]
         return out
 
-
-class _Replay:
-    """The cache the layer sees when it runs again: the kept state, per-row lengths."""
-
-    def __init__(self, before: list, lengths: mx.array):
-        self.cache = list(before)
-        self.lengths = lengths
-
-    def __getitem__(self, index):
-        return self.cache[index]
-
-    def __setitem__(self, index, value):
-        self.cache[index] = value
-
-    def advance(self, N: int) -> None:
-        pass

@@ -12,6 +12,7 @@ from ..checkpoint import files_holding, read_config
 from ..errors import CheckpointError
 from ..mtp_tensors import mtp_shard
 from . import gemma4_assistant, qwen3_5_mtp
+from .quantized import quantization_under
 
 LOADERS = {gemma4_assistant.MODEL_TYPE: (gemma4_assistant.load_gemma4_assistant, gemma4_assistant.check_fits)}
 
@@ -46,9 +47,7 @@ def load_merged_drafter(model_dir: str | Path, target):
     directory = Path(model_dir)
     config = read_config(directory)
     if qwen3_5_mtp.has_head(config):
-        head = qwen3_5_mtp.load_built_in_head(directory, target)
-        qwen3_5_mtp.check_fits(head, target, where=f"MTP head of {directory}")
-        return head
+        return qwen3_5_mtp.load_built_in_head(directory, target)  # built from the trunk's own config
     merged = merged_assistant_config(config)
     if merged is None:
         return None
@@ -58,11 +57,7 @@ def load_merged_drafter(model_dir: str | Path, target):
         weights.update({k[len(prefix):]: v for k, v in mx.load(str(file)).items() if k.startswith(prefix)})
     if not weights:
         raise CheckpointError(f"{directory}: config.json embeds an assistant but no {prefix}* tensors were found")
-    quantization = None
-    if config.get("quantization"):
-        q = config["quantization"]
-        quantization = {k: q[k] for k in ("group_size", "bits", "mode") if k in q}
-        quantization.update({k[len(prefix):]: v for k, v in q.items() if k.startswith(prefix)})
-    drafter = gemma4_assistant.build_gemma4_assistant(assistant_config, weights, quantization, str(directory))
+    drafter = gemma4_assistant.build_gemma4_assistant(assistant_config, weights, quantization_under(config, prefix),
+                                                      str(directory))
     gemma4_assistant.check_fits(drafter, target, where=f"assistant merged into {directory}")
     return drafter

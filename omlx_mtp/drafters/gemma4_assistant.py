@@ -20,7 +20,7 @@ from mlx_lm.models import gemma4_text
 
 from ..checkpoint import load_weights, read_config
 from ..errors import CheckpointError, DrafterMismatchError
-from .quantized import quantize_like_checkpoint
+from .quantized import load_into
 from ..gemma4_config import FULL, SLIDING, layer_head_dim, layer_kv_heads, normalize_text_config, text_config_of
 
 MODEL_TYPE = "gemma4_assistant"
@@ -198,16 +198,8 @@ def load_gemma4_assistant(path: str | Path) -> Gemma4AssistantDrafter:
 def build_gemma4_assistant(config: dict, weights: dict, quantization: dict | None, where: str):
     """A drafter from its config and (possibly quantized) weights, named as in its checkpoint."""
     drafter = Gemma4AssistantDrafter(normalize_assistant_config(config, f"{where}: assistant config"))
-    weights = drafter.sanitize(weights)
-    if quantization:
-        quantize_like_checkpoint(drafter, quantization, weights)
-    try:
-        drafter.load_weights(list(weights.items()), strict=True)
-    except ValueError as exc:
-        raise CheckpointError(f"{where}: assistant weights do not match its config ({exc})") from None
-    drafter.eval()
-    mx.eval(drafter.parameters())
-    return drafter
+    return load_into(drafter, drafter.sanitize(weights), quantization,
+                     f"{where}: assistant weights do not match its config")
 
 
 __all__ = [

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import mlx.core as mx
 import mlx.nn as nn
+
+from ..errors import CheckpointError
 
 
 def quantize_like_checkpoint(drafter: nn.Module, quantization: dict, weights: dict) -> None:
@@ -23,3 +26,28 @@ def quantize_like_checkpoint(drafter: nn.Module, quantization: dict, weights: di
         mode=quantization.get("mode", "affine"),
         class_predicate=predicate,
     )
+
+
+def quantization_under(config: dict, prefix: str) -> dict | None:
+    """The checkpoint's quantization as it applies to the tensors under ``prefix``: the defaults and
+    the per-module overrides of those tensors, named without the prefix."""
+    q = config.get("quantization")
+    if not q:
+        return None
+    out = {k: q[k] for k in ("group_size", "bits", "mode") if k in q}
+    out.update({k[len(prefix):]: v for k, v in q.items() if k.startswith(prefix)})
+    return out
+
+
+def load_into(drafter: nn.Module, weights: dict, quantization: dict | None, mismatch: str) -> nn.Module:
+    """Quantize the drafter like its checkpoint, load its (sanitized) weights strictly and evaluate
+    them; ``mismatch`` starts the error when the weights do not fit."""
+    if quantization:
+        quantize_like_checkpoint(drafter, quantization, weights)
+    try:
+        drafter.load_weights(list(weights.items()), strict=True)
+    except ValueError as exc:
+        raise CheckpointError(f"{mismatch} ({exc})") from None
+    drafter.eval()
+    mx.eval(drafter.parameters())
+    return drafter

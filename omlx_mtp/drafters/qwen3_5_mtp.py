@@ -27,16 +27,16 @@ from mlx_lm.models.base import create_attention_mask
 
 from ..checkpoint import files_holding, read_config
 from ..decode import cache as caches
-from ..errors import CheckpointError, DrafterMismatchError
+from ..errors import CheckpointError
 from ..mtp_tensors import mtp_shard
-from .quantized import quantize_like_checkpoint
+from .quantized import load_into, quantization_under
 
 FAMILY = "qwen3_5_mtp"
 MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text")
 PREFIXES = ("mtp.", "model.mtp.", "language_model.mtp.")
 # Hugging Face checkpoints store Qwen3.5's RMSNorm weights as offsets from 1 (x * (1 + w)); mlx-lm's
 # RMSNorm multiplies by w.  The trunk is shifted by mlx-lm's sanitize; the head's norms here.
-_NORMS = ("pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight", "input_layernorm.weight",
+NORMS = ("pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight", "input_layernorm.weight",
           "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight")
 
 
@@ -105,17 +105,8 @@ def load_built_in_head(model_dir: str | Path, target) -> Qwen35MTPHead:
                               f"{'/'.join(p + '*' for p in PREFIXES)} tensors were found — the checkpoint was "
                               "converted by a tool that drops them; requantize it with `omlx-mtp quantize`")
     head = Qwen35MTPHead(target.args, layers)
-    weights = sanitize(weights, head)
-    quantization = _quantization(config, prefix)
-    if quantization:
-        quantize_like_checkpoint(head, quantization, weights)
-    try:
-        head.load_weights(list(weights.items()), strict=True)
-    except ValueError as exc:
-        raise CheckpointError(f"{where}: the MTP head's tensors do not fit the trunk's config ({exc})") from None
-    head.eval()
-    mx.eval(head.parameters())
-    return head
+    return load_into(head, sanitize(weights, head), quantization_under(config, prefix),
+                     f"{where}: the MTP head's tensors do not fit the trunk's config")
 
 
 def sanitize(weights: dict, head: Qwen35MTPHead) -> dict:
@@ -140,7 +131,7 @@ def sanitize(weights: dict, head: Qwen35MTPHead) -> dict:
         if name.endswith("experts.down_proj"):
             out[name[: -len("experts.down_proj")] + "switch_mlp.down_proj.weight"] = value
             continue
-        if value.ndim == 1 and name.endswith(_NORMS) and mx.issubdtype(value.dtype, mx.floating):
+        if value.ndim == 1 and name.endswith(NORMS) and mx.issubdtype(value.dtype, mx.floating):
             value = value + 1.0
         out[name] = value
     for key, by_index in experts.items():
@@ -158,17 +149,3 @@ def _head_tensors(directory: Path, config: dict) -> tuple[dict, str]:
         if found:
             return found, prefix
     return {}, PREFIXES[0]
-
-
-def _quantization(config: dict, prefix: str) -> dict | None:
-    q = config.get("quantization") or config.get("quantization_config")
-    if not q or "bits" not in q:
-        return None
-    out = {k: q[k] for k in ("group_size", "bits", "mode") if k in q}
-    out.update({k[len(prefix):]: v for k, v in q.items() if k.startswith(prefix)})
-    return out
-
-
-def check_fits(head: Qwen35MTPHead, target, where: str = "MTP head") -> None:
-    if head.hidden_size != target.hidden_size:
-        raise DrafterMismatchError(f"{where}: hidden_size {head.hidden_size} != target {target.hidden_size}")

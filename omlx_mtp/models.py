@@ -14,7 +14,7 @@ from .gemma4_config import normalize_text_config
 SUPPORTED_TARGETS = ("gemma4", "gemma4_text", "qwen3_5", "qwen3_5_moe")
 # Multimodal checkpoints of these families load through mlx-vlm (a target module wraps its model);
 # others load their text model through mlx-lm, whose sanitizer drops the towers.
-VLM_TARGETS = ("gemma4",)
+VLM_TARGETS = ("gemma4", "qwen3_5", "qwen3_5_moe")
 
 
 def target_config_overrides(config: dict, where: str) -> dict:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mlx.core as mx
+
 from .decode.loop import Request
 from .errors import MTPError
 from .models import load_processor
@@ -51,7 +53,18 @@ def embedded_request(model, processor, text: str, images: list, chat: bool = Tru
     extra = {} if getattr(features, "per_layer_inputs", None) is None else {"per_layer_inputs": features.per_layer_inputs}
     if inputs.get("mm_token_type_ids") is not None:  # mlx-vlm 0.7: image tokens attend to each other in prefill
         extra["mm_token_type_ids"] = inputs["mm_token_type_ids"]
-    return Request(ids[0].tolist(), embeddings=PromptEmbeddings(features.inputs_embeds, extra), **request)
+    positions = multimodal_positions(model, ids, inputs)
+    return Request(ids[0].tolist(), embeddings=PromptEmbeddings(features.inputs_embeds, extra, positions), **request)
+
+
+def multimodal_positions(model, ids: mx.array, inputs: dict) -> mx.array | None:
+    """A prompt's mRoPE positions [3, 1, L] from the model's own ``get_rope_index`` (Qwen3.5), kept
+    with the prompt: mlx-vlm keeps only the last prompt's on the model, and some releases none."""
+    grids = inputs.get("image_grid_thw"), inputs.get("video_grid_thw")
+    rope_index = getattr(model.language_model, "get_rope_index", None)
+    if rope_index is None or all(g is None for g in grids):
+        return None
+    return rope_index(ids, *grids)[0]
 
 
 def image_request(model_dir: str | Path, model, text: str, image_paths: list[str], chat: bool, **request) -> Request:

@@ -1,7 +1,10 @@
 """Tiny Qwen3.5-shaped checkpoints (dense or MoE) with a built-in MTP head and random weights,
 laid out as Qwen publishes them: ``model.language_model.*`` trunk, ``lm_head``, top-level ``mtp.*``,
 RMSNorm weights stored as offsets from 1, the conv1d weight as [C, 1, k], MoE trunk experts fused
-(``experts.gate_up_proj``) and the head's experts per expert (Qwen3.5) or fused (Qwen3.6).
+(``experts.gate_up_proj``) and the head's experts per expert (Qwen3.5) or fused (Qwen3.6).  With
+``vision=True`` the checkpoint also has a small vision tower (``vision_config``, ``model.visual.*``,
+made by mlx-vlm's own tower), as every published Qwen3.5 / 3.6 checkpoint does: oMLX then serves
+it through its VLM engine.
 
 The weights are made by mlx-lm's own model (and this package's head) and written back in the
 published convention, so loading them exercises mlx-lm's sanitizer and ours."""
@@ -39,6 +42,11 @@ class TinyQwenSpec:
     embed_std: float = 0.02
     layer_std: float = 0.3
     dtype: str = "float32"
+    vision: bool = False
+
+
+# Token ids of the vision markers in the tiny vocabulary (the last ids; the byte-level tokens come first).
+IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 508, 509, 510, 511
 
 
 def text_config(spec: TinyQwenSpec) -> dict:
@@ -74,14 +82,40 @@ def text_config(spec: TinyQwenSpec) -> dict:
     return config
 
 
+def vision_config() -> dict:
+    return {"model_type": "qwen3_5", "depth": 1, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 64,
+            "num_heads": 2, "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2,
+            "num_position_embeddings": 16, "in_channels": 3, "deepstack_visual_indexes": []}
+
+
 def published_config(spec: TinyQwenSpec) -> dict:
     moe = spec.moe
-    return {
+    config = {
         "model_type": "qwen3_5_moe" if moe else "qwen3_5",
         "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
         "text_config": text_config(spec),
         "tie_word_embeddings": False,
     }
+    if spec.vision:
+        config.update(vision_config=vision_config(), image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
+                      vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
+    return config
+
+
+def tower_tensors(spec: TinyQwenSpec, seed: int) -> dict:
+    """A random vision tower under its published names (the patch embedding in PyTorch's layout)."""
+    from mlx.utils import tree_flatten
+    from mlx_vlm.models.qwen3_5 import VisionModel
+    from mlx_vlm.models.qwen3_5.config import VisionConfig
+
+    mx.random.seed(seed)
+    tower = VisionModel(VisionConfig.from_dict(vision_config()))
+    out = {}
+    for name, value in tree_flatten(tower.parameters()):
+        if name.endswith("patch_embed.proj.weight"):
+            value = value.moveaxis(-1, 1)  # [out, kt, kh, kw, in] -> [out, in, kt, kh, kw]
+        out["model.visual." + name] = value.astype(getattr(mx, spec.dtype))
+    return out
 
 
 def build(spec: TinyQwenSpec, seed: int = 0) -> tuple[qwen3_5.Model, Qwen35MTPHead]:
@@ -141,7 +175,28 @@ def write_qwen(directory: str | Path, spec: TinyQwenSpec | None = None, seed: in
     tensors = published_tensors(model, head, spec)
     if not with_head:
         tensors = {k: v for k, v in tensors.items() if not k.startswith("mtp.")}
+    if spec.vision:
+        tensors.update(tower_tensors(spec, seed))
     mx.save_safetensors(str(directory / "model.safetensors"), tensors, metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(published_config(spec), indent=2))
     write_tokenizer(directory, spec.vocab_size)
     return directory
+
+
+def image_request(model, before: list[int], after: list[int], seed: int, grid: int = 4, **request):
+    """A ``Request`` whose prompt holds one random image (``grid`` x ``grid`` patches) between the
+    text tokens ``before`` and ``after``, embedded by mlx-vlm's Qwen3.5 model ``model`` as oMLX's
+    VLM engine embeds it (the tower's features merged in, mRoPE positions for the whole prompt)."""
+    from .decode.loop import Request
+    from .multimodal import multimodal_positions
+    from .targets.base import PromptEmbeddings
+
+    config = vision_config()
+    merged = grid * grid // config["spatial_merge_size"] ** 2
+    ids = before + [VISION_START] + [IMAGE_TOKEN] * merged + [VISION_END] + after
+    patch = config["in_channels"] * config["temporal_patch_size"] * config["patch_size"] ** 2
+    pixels = mx.array(np.random.default_rng(seed).normal(0, 1, (grid * grid, patch)).astype(np.float32))
+    inputs = {"image_grid_thw": mx.array([[1, grid, grid]])}
+    features = model.get_input_embeddings(mx.array([ids]), pixels, **inputs)
+    positions = multimodal_positions(model, mx.array([ids]), inputs)
+    return Request(ids, embeddings=PromptEmbeddings(features.inputs_embeds, {}, positions), **request)

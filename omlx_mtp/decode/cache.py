@@ -29,6 +29,7 @@ class SlotTable:
         self.capacity = None if window is None else window + slack
         self.positions = mx.full((batch_size, 0), -1, dtype=mx.int32)
         self.lengths = [0] * batch_size  # committed tokens per row; host-side, known after acceptance
+        self.shifts = [0] * batch_size  # RoPE position minus token count per row (multimodal RoPE)
         self.complete = True  # every position below a row's length is held (none forgotten)
         self._plan = None
 
@@ -36,9 +37,15 @@ class SlotTable:
     def uniform(self) -> bool:
         return all(n == self.lengths[0] for n in self.lengths)
 
+    def rope_offsets(self) -> list[int]:
+        """The RoPE position of each row's next token."""
+        return [n + s for n, s in zip(self.lengths, self.shifts)]
+
     @property
     def offset(self):
-        return self.lengths[0] if self.uniform else mx.array(self.lengths, dtype=mx.int32)
+        """What mlx-lm's attention layers read as the next position: an int when rows agree."""
+        offsets = self.rope_offsets()
+        return offsets[0] if all(o == offsets[0] for o in offsets) else mx.array(offsets, dtype=mx.int32)
 
     def size_for(self, L: int, current: int, geometric: bool = False) -> int:
         """Slots a buffer needs before a forward of L tokens.  ``geometric``: grow by a quarter at
@@ -155,6 +162,7 @@ class SlotTable:
         out = cls(1, window=tables[0].window, slack=0)
         out.capacity = tables[0].capacity
         out.lengths = [n for t in tables for n in t.lengths]
+        out.shifts = [n for t in tables for n in t.shifts]
         out.complete = all(t.complete for t in tables)
         size = max(t.positions.shape[1] for t in tables)
         out.positions = mx.concatenate([_pad_axis(t.positions, size, 1, -1) for t in tables], axis=0)
@@ -164,6 +172,7 @@ class SlotTable:
         out = SlotTable(1, window=self.window, slack=0)
         out.capacity = self.capacity
         out.lengths = [self.lengths[r] for r in rows]
+        out.shifts = [self.shifts[r] for r in rows]
         out.complete = self.complete
         out.positions = self.positions[mx.array(rows, dtype=mx.int32)]
         return out

@@ -105,7 +105,7 @@ class CompiledForward:
             for c in cache:
                 if c.table is table and current < size:
                     c.keys, c.values = _pad_axis(c.keys, size, 2, 0), _pad_axis(c.values, size, 2, 0)
-        offsets = mx.array(tables_of(cache)[0].lengths, dtype=mx.int32)
+        offsets = mx.array(tables_of(cache)[0].rope_offsets(), dtype=mx.int32)
         buffers = [a for c in cache for a in (c.keys, c.values)]
         logits, hidden, *buffers = self.traces(tokens, offsets, *per_table, *buffers)
         for i, c in enumerate(cache):

@@ -418,7 +418,7 @@ class SpeculativeDecoder:
             raise ValueError("empty prompt")
         if embeddings is not None:
             host = prefill_on_host(self.target.plain_model(), prompt, embeddings)
-            cache, prompt = self.from_host(host, self.prefill_slack(slack)), prompt[-1:]
+            cache, prompt = self.from_host(host, self.prefill_slack(slack), embeddings.rope_shift), prompt[-1:]
         step = self.prefill_step
         if cache is None:
             cache = self.make_cache(1, slack=self.prefill_slack(slack))
@@ -445,10 +445,13 @@ class SpeculativeDecoder:
         cache = self.target.make_cache(batch_size, slack=slack)
         return cache + self.drafter.make_cache(batch_size, slack) if self.own_cache else cache
 
-    def from_host(self, host_caches: list, slack: int) -> list:
+    def from_host(self, host_caches: list, slack: int, rope_shift: int = 0) -> list:
         """One request's host (mlx-lm) caches -> ours; a drafter's own cache starts at the same
-        length with nothing in it (the host's prefill left no hidden states to fill it from)."""
+        length with nothing in it (the host's prefill left no hidden states to fill it from).
+        ``rope_shift``: the request's next RoPE position minus its token count (mRoPE after images)."""
         cache = from_mlx_lm(self.target, host_caches, slack)
+        for table in caches.tables_of(cache):
+            table.shifts = [rope_shift]
         if self.own_cache:
             own = self.drafter.make_cache(1, slack)
             for table in caches.tables_of(own):

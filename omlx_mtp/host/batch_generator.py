@@ -129,7 +129,8 @@ class MTPBatchGenerator:
         decoder, batch = self.decoder, self.batch
         try:
             slack = decoder.prefill_slack(batch.max_depth + 1)
-            cache = decoder.from_host(p.cache, slack) if p.cache else decoder.make_cache(1, slack)
+            cache = (decoder.from_host(p.cache, slack, _rope_delta(self._plain_args['model'], p.uid)) if p.cache
+                     else decoder.make_cache(1, slack))
         except MTPError as exc:
             log.info("omlx-mtp: request uid %d decodes plain: %s", p.uid, exc)
             return self._insert_plain(p)
@@ -212,6 +213,13 @@ def _distribution(host_params, sampler):
                             top_k=int(getattr(host_params, "top_k", 0) or 0),
                             min_p=float(getattr(host_params, "min_p", 0.0) or 0.0))
     return params, None
+
+
+def _rope_delta(model, uid: int) -> int:
+    """A request's mRoPE delta, as oMLX's VLM adapter keeps them by uid (registered after insert,
+    so known by the time a request is admitted here); 0 for other hosts and models."""
+    deltas = getattr(model, "_uid_rope_deltas", None) or {}
+    return int(deltas.get(uid, 0))
 
 
 def _is_pure(processor) -> bool:

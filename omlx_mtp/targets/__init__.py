@@ -11,8 +11,9 @@ from .base import PromptEmbeddings, Target
 from .gemma4_mlx_lm import Gemma4MlxLmTarget
 from .gemma4_mlx_vlm import Gemma4MlxVlmTarget
 from .qwen3_5_mlx_lm import Qwen35MlxLmTarget
+from .qwen3_5_mlx_vlm import Qwen35MlxVlmTarget
 
-FAMILIES: tuple[type[Target], ...] = (Gemma4MlxLmTarget, Gemma4MlxVlmTarget, Qwen35MlxLmTarget)
+FAMILIES: tuple[type[Target], ...] = (Gemma4MlxLmTarget, Gemma4MlxVlmTarget, Qwen35MlxLmTarget, Qwen35MlxVlmTarget)
 
 
 class UnsupportedTarget(MTPError):
@@ -36,4 +37,4 @@ def wrap_target(model, compiled: bool | None = None) -> Target:
     )
 
 
-__all__ = ["FAMILIES", "Gemma4MlxLmTarget", "Gemma4MlxVlmTarget", "PromptEmbeddings", "Qwen35MlxLmTarget", "Target", "UnsupportedTarget", "host_model", "wrap_target"]
+__all__ = ["FAMILIES", "Gemma4MlxLmTarget", "Gemma4MlxVlmTarget", "PromptEmbeddings", "Qwen35MlxLmTarget", "Qwen35MlxVlmTarget", "Target", "UnsupportedTarget", "host_model", "wrap_target"]

@@ -25,23 +25,43 @@ from ..decode.compiled_forward import CompiledForward, compiled_forward_exact
 
 @dataclass
 class PromptEmbeddings:
-    """Input embeddings for a whole prompt ([1, L, H], as the host's vision/audio merge made them)
-    and per-position extras of the same length L along axis 1 (e.g. Gemma 4's per-layer inputs)."""
+    """Input embeddings for a whole prompt ([1, L, H], as the host's vision/audio merge made them),
+    per-position extras of the same length L along axis 1 (e.g. Gemma 4's per-layer inputs), and
+    the prompt's multimodal RoPE positions ([3, 1, L]) where the model has them (Qwen3.5)."""
 
     inputs_embeds: mx.array
     extra: dict = field(default_factory=dict)
+    position_ids: mx.array | None = None
 
     def __post_init__(self):
         length = self.inputs_embeds.shape[1]
-        for name, value in self.extra.items():
-            if value.shape[1] != length:
-                raise ValueError(f"{name} covers {value.shape[1]} positions, the embeddings {length}")
+        for name, value in [*self.extra.items(), ("position_ids", self.position_ids)]:
+            covered = None if value is None else value.shape[-1 if name == "position_ids" else 1]
+            if covered is not None and covered != length:
+                raise ValueError(f"{name} covers {covered} positions, the embeddings {length}")
 
     def __len__(self) -> int:
         return self.inputs_embeds.shape[1]
 
     def head(self, length: int) -> "PromptEmbeddings":
-        return PromptEmbeddings(self.inputs_embeds[:, :length], {k: v[:, :length] for k, v in self.extra.items()})
+        positions = None if self.position_ids is None else self.position_ids[..., :length]
+        return PromptEmbeddings(self.inputs_embeds[:, :length], {k: v[:, :length] for k, v in self.extra.items()},
+                                positions)
+
+    @property
+    def rope_shift(self) -> int:
+        """The RoPE position of the token after the prompt minus the prompt's length (an image's
+        tokens take fewer mRoPE positions than tokens); 0 without multimodal positions."""
+        if self.position_ids is None:
+            return 0
+        return int(self.position_ids.max().item()) + 1 - len(self)
+
+    def host_kwargs(self) -> dict:
+        """What the host's language model takes beside the token ids for this prompt."""
+        kwargs = {"inputs_embeds": self.inputs_embeds, **self.extra}
+        if self.position_ids is not None:
+            kwargs["position_ids"] = self.position_ids
+        return kwargs
 
 
 def prefill_on_host(plain_model, prompt: list[int], embeddings: PromptEmbeddings) -> list:
@@ -90,3 +110,44 @@ class Target:
 
     def describe(self) -> str:
         return f"{self.family} ({type(self.model).__module__}.{type(self.model).__name__})"
+
+
+class LogitsOnly:
+    """An mlx-vlm language model as mlx-lm's decode loops call a model: logits out, its own caches
+    (what oMLX's VLM adapter presents to mlx-lm's BatchGenerator).  mlx-vlm's Qwen3.5 keeps the last
+    image prompt's mRoPE positions on the model; as the adapter does, a text prompt starts with that
+    state cleared, and after a prompt with multimodal positions every later forward is given its
+    positions (the cache's offset plus the prompt's shift)."""
+
+    def __init__(self, text):
+        self.text = text
+        self.rope_shift = None  # known after a prefill with multimodal positions
+
+    def __call__(self, inputs: mx.array, cache=None, embeddings: PromptEmbeddings | None = None):
+        if embeddings is not None:
+            self.rope_shift = None if embeddings.position_ids is None else embeddings.rope_shift
+            kwargs = embeddings.host_kwargs()
+        elif self.rope_shift is not None and cache:
+            positions = mx.arange(inputs.shape[1], dtype=mx.int32)[None] + _offset(cache) + self.rope_shift
+            kwargs = {"position_ids": mx.broadcast_to(positions[None], (3, *inputs.shape))}
+        else:
+            if cache and _offset(cache) == 0:  # a fresh prompt
+                for name in ("_position_ids", "_rope_deltas"):
+                    if hasattr(self.text, name):
+                        setattr(self.text, name, None)
+            kwargs = {}
+        return self.text(inputs, cache=cache, **kwargs).logits
+
+    @property
+    def layers(self):
+        return self.text.model.layers
+
+    def make_cache(self):
+        return self.text.make_cache()
+
+
+def _offset(cache: list):
+    """The token count of a host cache list (its first attention cache's offset); None for a
+    batch's caches, whose offsets are an array."""
+    offset = next(c.offset for c in cache if hasattr(c, "keys"))
+    return offset if isinstance(offset, int) else None

@@ -14,7 +14,7 @@ import sys
 import mlx.core as mx
 
 from ..gemma4_config import SLIDING
-from .base import PromptEmbeddings
+from .base import LogitsOnly
 from .gemma4 import Gemma4Target
 
 _MODULE = "mlx_vlm.models.gemma4."  # the package's modules (not gemma4_* siblings)
@@ -66,23 +66,5 @@ class Gemma4MlxVlmTarget(Gemma4Target):
         return logits
 
     def plain_model(self):
-        return _LogitsOnly(self.text)
+        return LogitsOnly(self.text)
 
-
-class _LogitsOnly:
-    """mlx-vlm's language model as mlx-lm's decode loops call a model: logits out, its own caches
-    (what oMLX's VLM adapter presents to mlx-lm's BatchGenerator)."""
-
-    def __init__(self, text):
-        self.text = text
-
-    def __call__(self, inputs: mx.array, cache=None, embeddings: PromptEmbeddings | None = None):
-        kwargs = {} if embeddings is None else {"inputs_embeds": embeddings.inputs_embeds, **embeddings.extra}
-        return self.text(inputs, cache=cache, **kwargs).logits
-
-    @property
-    def layers(self):
-        return self.text.model.layers
-
-    def make_cache(self):
-        return self.text.make_cache()

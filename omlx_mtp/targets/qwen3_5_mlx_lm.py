@@ -1,82 +1,28 @@
-"""Qwen3.5 / Qwen3.6 (dense and MoE) as mlx-lm builds them (``qwen3_5``, ``qwen3_5_moe``): hybrid
-models whose layers are mostly Gated DeltaNet linear attention, with full attention every
-``full_attention_interval`` layers.
-
-mlx-lm's own layers run unchanged.  The layer loop is walked here rather than through the host's
-text model, for one reason: each linear-attention layer's input is handed to its cache
-(``LinearStateCache.record``), so that a verify whose drafts are rejected can take the layer's
-state back per row.  Full-attention layers run on this package's K/V caches.
-
-The built-in MTP head reads the trunk's final-normed hidden state, as vLLM and mlx-vlm feed it
-(later oMLX measured a few points more acceptance on Qwen3.6-27B than with the pre-norm state).
-"""
+"""Qwen3.5 / Qwen3.6 as mlx-lm builds them (``qwen3_5``, ``qwen3_5_moe``): the text checkpoints
+oMLX serves through its LLM engine.  mlx-lm's model runs unchanged."""
 
 from __future__ import annotations
 
-import mlx.core as mx
 from mlx_lm.models import qwen3_5
-from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from ..decode.cache import SlotTable, PositionalKVCache
-from ..decode.linear_state import LinearStateCache
-from .base import Target
+from .qwen3_5 import Qwen35Target
 
 
-class Qwen35MlxLmTarget(Target):
+class Qwen35MlxLmTarget(Qwen35Target):
     family = "Qwen3.5 (mlx-lm)"
     cache_classes = (KVCache, RotatingKVCache)
     state_cache_class = ArraysCache
-    sliding_window = None
 
     def __init__(self, model, compiled: bool | None = None):
         text = getattr(model, "language_model", model)
         if not isinstance(text, qwen3_5.TextModel):
             raise TypeError(f"expected an mlx-lm Qwen3.5 model, got {type(text).__name__}")
-        self.text = text
-        self.body = text.model
-        self.args = text.args
-        self.hidden_size = self.args.hidden_size
-        self.vocab_size = self.args.vocab_size
-        self.layers = list(self.body.layers)
-        self.linear = [layer.is_linear for layer in self.layers]
-        if all(self.linear):
-            raise TypeError("a Qwen3.5 model without full-attention layers")
-        # The trunk's forwards mutate linear states in ways a compiled graph of K/V caches can't follow.
-        super().__init__(model, compiled=False)
+        super().__init__(model, text)
 
     @classmethod
     def matches(cls, model) -> bool:
         return isinstance(getattr(model, "language_model", model), qwen3_5.TextModel)
-
-    @property
-    def dtype(self):
-        return self.body.norm.weight.dtype
-
-    def make_cache(self, batch_size: int, slack: int) -> list:
-        table = SlotTable(batch_size, window=None, slack=slack)
-        return [LinearStateCache(layer, batch_size) if linear else PositionalKVCache(table)
-                for layer, linear in zip(self.layers, self.linear)]
-
-    def input_embedding(self, tokens: mx.array) -> mx.array:
-        return self.body.embed_tokens(tokens)
-
-    def hidden(self, tokens: mx.array, cache: list, embeddings: mx.array | None = None) -> mx.array:
-        """The trunk's final-normed hidden states, [B, L, H]."""
-        h = self.body.embed_tokens(tokens) if embeddings is None else embeddings
-        full = next(c for c, linear in zip(cache, self.linear) if not linear)
-        mask = create_attention_mask(h, full)
-        for layer, linear, c in zip(self.layers, self.linear, cache):
-            if linear:
-                c.record(h)
-            h = layer(h, mask=None if linear else mask, cache=c)
-        return self.body.norm(h)
-
-    def head(self, normed: mx.array) -> mx.array:
-        """The LM head, which the MTP head shares."""
-        if self.args.tie_word_embeddings:
-            return self.body.embed_tokens.as_linear(normed)
-        return self.text.lm_head(normed)
 
     def plain_model(self):
         return self.model

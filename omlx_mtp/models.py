@@ -10,6 +10,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 from .checkpoint import check_safetensors_header, read_config, safetensors_files
 from .errors import CheckpointError
 from .gemma4_config import normalize_text_config
+from .mtp_tensors import is_mtp_tensor
 
 SUPPORTED_TARGETS = ("gemma4", "gemma4_text", "qwen3_5", "qwen3_5_moe")
 # Multimodal checkpoints of these families load through mlx-vlm (a target module wraps its model);
@@ -66,7 +67,30 @@ def _load_vlm(directory: Path):
     except ImportError:
         raise CheckpointError(f"{directory}: a multimodal checkpoint (vision_config) loads through mlx-vlm, which "
                               "is not installed (pip install 'omlx-mtp[vlm]')") from None
-    return load_vlm_model(directory)
+    try:
+        return load_vlm_model(directory)
+    except ValueError as exc:
+        if not _only_extra_mtp_tensors(str(exc), read_config(directory)):
+            raise
+    # The MTP head sits in the model's shards (oMLX's oQ without omlx-mtp's patches puts it there)
+    # and mlx-vlm's model has no place for it.  Releases that honour strict=False load it as oMLX
+    # does, once a strict load has failed on nothing but those tensors (a missing weight still fails).
+    try:
+        return load_vlm_model(directory, strict=False)
+    except ValueError as exc:
+        if not _only_extra_mtp_tensors(str(exc), read_config(directory)):
+            raise
+    raise CheckpointError(f"{directory}: the MTP head's tensors sit in the model's shards, which this mlx-vlm "
+                          "loads strictly (oMLX's VLM engine too); requantize with `omlx-mtp quantize`, or with "
+                          "oMLX's oQ patched by `omlx-mtp patch apply`, which put them in mtp/mtp.safetensors")
+
+
+def _only_extra_mtp_tensors(message: str, config: dict) -> bool:
+    """Whether mlx's strict-load error names only extra tensors, all of them MTP tensors."""
+    head, _, names = message.partition("parameters not in model:")
+    if not names or not head.startswith("Received"):
+        return False
+    return all(is_mtp_tensor(name.strip().rstrip("."), config) for name in names.split(",") if name.strip())
 
 
 def load_processor(path: str | Path):

@@ -138,6 +138,31 @@ def test_oq_keeps_mtp_only_with_plugin(tree, tmp_path, plugin):
         assert kept == []
 
 
+
+@runs_omlx
+def test_oq_puts_a_multimodal_checkpoints_head_where_mlx_vlm_does_not_load(tree, tmp_path):
+    """A published Qwen3.5 (vision tower) through oQ: the head goes to ``mtp/mtp.safetensors``, so
+    mlx-vlm's strict load of the model's shards (oMLX's VLM engine) still works, and the head loads."""
+    from omlx_mtp.tiny_qwen import TinyQwenSpec, write_qwen
+
+    run("apply", tree)
+    src = write_qwen(tmp_path / "qwen-vl", TinyQwenSpec(vision=True))
+    out = tmp_path / "oq8"
+    proc = _python(tree, f"""
+        from pathlib import Path
+        from omlx.oq import quantize_oq_streaming
+        from mlx_vlm.utils import load_model
+        from omlx_mtp.drafters import load_merged_drafter
+        from omlx_mtp.targets import wrap_target
+        quantize_oq_streaming({str(src)!r}, {str(out)!r}, 8, group_size=32, dtype="float16")
+        model = load_model(Path({str(out)!r}))  # strict: every tensor has its place
+        head = load_merged_drafter({str(out)!r}, wrap_target(model))
+        print(type(head).__name__, sorted(p.name for p in Path({str(out)!r}).rglob("*.safetensors")))
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "Qwen35MTPHead ['model.safetensors', 'mtp.safetensors']"
+    assert (out / "mtp" / "mtp.safetensors").is_file()
+
 CALL_SITES = {  # file -> (line that must follow the call site, the call site's own lines)
     "omlx/engine/vlm.py": ("        self._loaded = True\n        logger.info(f\"VLMBatchedEngine loaded",
                            ["from omlx_mtp.host.omlx import attach_decode_strategy",

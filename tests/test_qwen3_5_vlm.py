@@ -145,3 +145,34 @@ def test_a_language_model_of_another_shape_is_refused(vlm):
     other.model.layers[0].mlp.extra = nn.Linear(4, 4)
     with pytest.raises(TypeError, match="does not match"):
         mlx_lm_text_over(other)
+
+
+def _mlx_layout(vlm, directory, drop: str | None = None):
+    """The checkpoint as an MLX-format writer leaves it (sanitized names), the head in the same shard."""
+    import json
+    import shutil
+
+    from mlx.utils import tree_flatten
+
+    shutil.copytree(vlm.dir, directory)
+    tensors = dict(tree_flatten(vlm.model.parameters()))
+    tensors.update({k: v for k, v in mx.load(str(vlm.dir / "model.safetensors")).items() if k.startswith("mtp.")})
+    tensors.pop(drop, None)
+    mx.save_safetensors(str(directory / "model.safetensors"), tensors, metadata={"format": "mlx"})
+    json.loads((directory / "config.json").read_text())  # unchanged
+    return directory
+
+
+def test_head_inside_the_model_shard_loads_or_is_refused_clearly(vlm, tmp_path):
+    """Where mlx-vlm honours strict=False (0.7) such a checkpoint loads as oMLX loads it; where it
+    does not (0.5), the refusal says where the head should be.  A missing weight fails either way."""
+    from omlx_mtp.errors import CheckpointError
+
+    try:
+        model, _, _ = load_target(_mlx_layout(vlm, tmp_path / "mlx"), with_tokenizer=False)
+    except CheckpointError as exc:
+        assert "sit in the model's shards" in str(exc) and "mtp/mtp.safetensors" in str(exc)
+    else:
+        assert load_merged_drafter(tmp_path / "mlx", wrap_target(model)) is not None
+    with pytest.raises(CheckpointError, match="Missing 1 parameters|sit in the model's shards"):
+        load_target(_mlx_layout(vlm, tmp_path / "broken", drop="language_model.model.norm.weight"), with_tokenizer=False)

@@ -27,6 +27,29 @@ def keep_unquantized(name: str, shape: tuple, config: dict | None = None) -> boo
     return plugin_manager().hook.omlx_tensor_quantization(name=name, shape=tuple(shape), config=config or {}) is False
 
 
+def in_side_shard(name: str, config: dict | None = None) -> bool:
+    """For oq's writer: whether a tensor plugins keep goes to a side shard instead of the model's
+    shards — MTP tensors of a multimodal checkpoint, which mlx-vlm would load strictly (it reads
+    every ``*.safetensors`` beside config.json) without a place for them."""
+    from ..models import is_multimodal
+
+    config = config or {}
+    return is_multimodal(config) and skip_tensor(name, config) is False
+
+
+def write_side_shard(output, tensors: dict, config: dict) -> None:
+    """Write the side shard where omlx-mtp's loaders look for it (``mtp/mtp.safetensors``)."""
+    import mlx.core as mx
+
+    from ..mtp_tensors import mtp_shard
+
+    path = Path(output) / mtp_shard(config)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path), tensors, metadata={"format": "mlx"})
+    log.info("omlx-mtp: %d MTP tensors written to %s (beside the shards a multimodal loader reads)",
+             len(tensors), path.relative_to(output))
+
+
 def preserving_sanitizer(sanitize, config: dict):
     """Wrap a model's sanitize() so the tensors plugins want kept (MTP heads) survive it."""
 

@@ -7,13 +7,15 @@ quantized layers are built to match before they take the arrays).  That keeps on
 both hosts, with mlx-lm's linear-attention layer the rollback replays, whatever the mlx-vlm
 release's internals (its GDN kernels and cache protocol changed between 0.5 and 0.7).
 
-Text tokens after an image sit at ``position + rope_delta`` (the vision tokens of mRoPE take fewer
-positions than tokens); with the three mRoPE sections equal, mRoPE is plain RoPE at that position,
-which is what the mlx-lm layers apply when the cache's offset carries the row's shift.  Image
-prompts themselves are prefilled by the host's own model and caches."""
+The full-attention layers are the exception: they run mlx-vlm's own attention, because its
+multimodal RoPE rounds differently from mlx-lm's in half precision, and MTP must decode with the
+host's numbers.  Text tokens after an image sit at ``position + rope_delta`` (an image takes fewer
+mRoPE positions than tokens); those positions, all three sections equal, are passed in from each
+row's RoPE offset.  Image prompts themselves are prefilled by the host's own model and caches."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import mlx.core as mx
@@ -35,7 +37,11 @@ class Qwen35MlxVlmTarget(Qwen35Target):
         if not type(vlm_text).__module__.startswith(_MODULES):
             raise TypeError(f"expected an mlx-vlm Qwen3.5 model, got {type(vlm_text).__name__}")
         self.vlm_text = vlm_text
-        super().__init__(model, mlx_lm_text_over(vlm_text))
+        text = mlx_lm_text_over(vlm_text)
+        for ours, theirs in zip(text.model.layers, vlm_text.model.layers):
+            if not ours.is_linear:
+                ours.self_attn = HostAttention(theirs.self_attn)
+        super().__init__(model, text)
 
     @classmethod
     def matches(cls, model) -> bool:
@@ -53,8 +59,49 @@ class Qwen35MlxVlmTarget(Qwen35Target):
 
         return cache.ArraysCache
 
+    def hidden(self, tokens: mx.array, cache: list, embeddings: mx.array | None = None) -> mx.array:
+        with _text_only_rope():
+            return super().hidden(tokens, cache, embeddings)
+
     def plain_model(self):
         return LogitsOnly(self.vlm_text)
+
+
+class HostAttention(nn.Module):
+    """mlx-vlm's attention module of a full-attention layer, as mlx-lm's decoder layer calls one,
+    given the forward's mRoPE positions: each row's RoPE offset onwards, the three sections equal."""
+
+    def __init__(self, attention):
+        super().__init__()
+        self.host = attention
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        B, L, _ = x.shape
+        start = mx.array(cache.table.rope_offsets(), dtype=mx.int32)[:, None]
+        positions = mx.broadcast_to((start + mx.arange(L, dtype=mx.int32)[None])[None], (3, B, L))
+        return self.host(x, mask, _PerRowOffsets(cache), positions)
+
+
+class _PerRowOffsets:
+    """A cache as mlx-vlm's attention reads it beside explicit positions: ``offset`` per row, as an
+    array (mlx-vlm only sizes the mask by it; oMLX's patched attention then takes the positions)."""
+
+    def __init__(self, cache):
+        self._cache = cache
+        self.offset = mx.array(cache.table.lengths, dtype=mx.int32)
+
+    def __getattr__(self, name):
+        return getattr(self._cache, name)
+
+
+def _text_only_rope():
+    """oMLX patches mlx-vlm's attention to probe each call's positions with host syncs unless told
+    they are text tokens, which decode and verify forwards always are."""
+    try:
+        from omlx.patches.qwen3_5_attention import force_text_only_rope
+    except ImportError:
+        return contextlib.nullcontext()
+    return force_text_only_rope()
 
 
 def mlx_lm_text_over(vlm_text) -> qwen3_5.TextModel:

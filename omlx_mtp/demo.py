@@ -35,6 +35,19 @@ def demo_pair(scratch: Path) -> tuple[Path, Path, str]:
     return target, assistant, "embedded tiny Gemma 4 pair with RANDOM weights (text is noise; drafts are noise)"
 
 
+QWEN_DIR = Path(__file__).resolve().parent / "demo_qwen"
+
+
+def demo_qwen(scratch: Path) -> Path:
+    """The embedded Qwen3.5 checkpoint with its built-in MTP head (``scripts/train_demo_qwen.py``
+    trains it), or a tiny one with RANDOM weights where it is missing."""
+    if (QWEN_DIR / "config.json").is_file():
+        return QWEN_DIR
+    from .tiny_qwen import TinyQwenSpec, write_qwen
+
+    return write_qwen(scratch, TinyQwenSpec())
+
+
 def _median_run(outcomes):
     """The run of median speed (a machine's speed can swing between runs)."""
     return sorted(outcomes, key=lambda o: o.tokens_per_second)[len(outcomes) // 2]

@@ -181,6 +181,29 @@ def write_tokenizer(directory: Path, vocab_size: int) -> None:
     )
 
 
+def rename_tokens(path: Path, ids: dict[str, int]) -> None:
+    """Give the tokens at these ids of a tokenizer.json these names (special tokens now); merges that
+    made the old tokens go, so no text encodes to them."""
+    by_id = {i: token for token, i in ids.items()}
+    data = json.loads(path.read_text())
+    vocab = data["model"]["vocab"]
+    renamed = {name for name, i in vocab.items() if i in by_id}
+    for name in renamed:
+        del vocab[name]
+    vocab.update(ids)
+    merges = data["model"].get("merges") or []
+    data["model"]["merges"] = [m for m in merges
+                               if "".join(m if isinstance(m, list) else m.split(" ")) not in renamed]
+    added = {entry["id"]: entry for entry in data["added_tokens"]}
+    for i, token in by_id.items():
+        if i in added:
+            added[i]["content"] = token
+        else:
+            data["added_tokens"].append({"id": i, "content": token, "single_word": False, "lstrip": False,
+                                         "rstrip": False, "normalized": False, "special": True})
+    path.write_text(json.dumps(data, ensure_ascii=False))
+
+
 def write_target(directory: Path, spec: TinySpec, seed: int = 0) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     text = target_text_config(spec)

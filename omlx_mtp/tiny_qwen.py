@@ -12,7 +12,7 @@ published convention, so loading them exercises mlx-lm's sanitizer and ours."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -20,7 +20,7 @@ import numpy as np
 from mlx_lm.models import qwen3_5
 
 from .drafters.qwen3_5_mtp import NORMS as HEAD_NORMS, Qwen35MTPHead
-from .tiny import TinySpec, randomize, write_tokenizer
+from .tiny import TinySpec, randomize, rename_tokens, write_tokenizer
 
 _TRUNK_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
                 ".q_norm.weight", ".k_norm.weight")
@@ -45,8 +45,12 @@ class TinyQwenSpec:
     vision: bool = False
 
 
-# Token ids of the vision markers in the tiny vocabulary (the last ids; the byte-level tokens come first).
-IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 508, 509, 510, 511
+# Qwen's vision markers, on the top ids of the vocabulary (the byte-level tokens come first).
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def vision_token_ids(vocab_size: int) -> dict[str, int]:
+    return {token: vocab_size - len(VISION_TOKENS) + i for i, token in enumerate(VISION_TOKENS)}
 
 
 def text_config(spec: TinyQwenSpec) -> dict:
@@ -82,8 +86,10 @@ def text_config(spec: TinyQwenSpec) -> dict:
     return config
 
 
-def vision_config() -> dict:
-    return {"model_type": "qwen3_5", "depth": 1, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 64,
+def vision_config(text_hidden_size: int = 64) -> dict:
+    """A one-block tower whose merger feeds the text model's width."""
+    return {"model_type": "qwen3_5", "depth": 1, "hidden_size": 32, "intermediate_size": 64,
+            "out_hidden_size": text_hidden_size,
             "num_heads": 2, "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2,
             "num_position_embeddings": 16, "in_channels": 3, "deepstack_visual_indexes": []}
 
@@ -97,8 +103,10 @@ def published_config(spec: TinyQwenSpec) -> dict:
         "tie_word_embeddings": False,
     }
     if spec.vision:
-        config.update(vision_config=vision_config(), image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
-                      vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
+        ids = vision_token_ids(spec.vocab_size)
+        config.update(vision_config=vision_config(spec.hidden_size), image_token_id=ids["<|image_pad|>"],
+                      video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                      vision_end_token_id=ids["<|vision_end|>"])
     return config
 
 
@@ -108,8 +116,13 @@ def tower_tensors(spec: TinyQwenSpec, seed: int) -> dict:
     from mlx_vlm.models.qwen3_5 import VisionModel
     from mlx_vlm.models.qwen3_5.config import VisionConfig
 
-    mx.random.seed(seed)
-    tower = VisionModel(VisionConfig.from_dict(vision_config()))
+    tower = VisionModel(VisionConfig.from_dict(vision_config(spec.hidden_size)))
+    rng = np.random.default_rng(seed)
+    weights = randomize(tower, TinySpec(layer_std=0.05, dtype=spec.dtype), rng)
+    for name, value in weights.items():  # small weights, biases near zero: features as large as a token embedding, one per image
+        if name.endswith(".bias"):
+            weights[name] = mx.array(rng.normal(0, 0.02, value.shape).astype(np.float32)).astype(value.dtype)
+    tower.load_weights(list(weights.items()))
     out = {}
     for name, value in tree_flatten(tower.parameters()):
         if name.endswith("patch_embed.proj.weight"):
@@ -180,7 +193,59 @@ def write_qwen(directory: str | Path, spec: TinyQwenSpec | None = None, seed: in
     mx.save_safetensors(str(directory / "model.safetensors"), tensors, metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(published_config(spec), indent=2))
     write_tokenizer(directory, spec.vocab_size)
+    if spec.vision:
+        add_processor(directory, spec.vocab_size)
     return directory
+
+
+def add_vision(source: str | Path, directory: str | Path, seed: int = 0) -> Path:
+    """A copy of a text-only checkpoint of this layout with a random vision tower and the files a
+    host's processor reads: as a published Qwen3.5 it then loads through mlx-vlm (oMLX's VLM engine).
+    The tokenizer's top ids become the vision markers."""
+    import shutil
+
+    source, directory = Path(source), Path(directory)
+    shutil.copytree(source, directory)
+    config = json.loads((source / "config.json").read_text())
+    text = config["text_config"]
+    vocab_size = text["vocab_size"]
+    spec = TinyQwenSpec(vocab_size=vocab_size, hidden_size=text["hidden_size"], vision=True)
+    vision = {k: v for k, v in published_config(spec).items() if k not in ("text_config", "model_type", "architectures")}
+    (directory / "config.json").write_text(json.dumps({**config, **vision}, indent=2))
+    tensors = dict(mx.load(str(source / "model.safetensors")))
+    tensors.update(tower_tensors(replace(spec, dtype=str(tensors["lm_head.weight"].dtype).split(".")[-1]), seed))
+    mx.save_safetensors(str(directory / "model.safetensors"), tensors, metadata={"format": "pt"})
+    add_processor(directory, vocab_size)
+    return directory
+
+
+# The demo turns, with Qwen's image placeholder for image content.
+VISION_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] in ('image', 'image_url') %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def add_processor(directory: Path, vocab_size: int) -> None:
+    """Vision markers in the tokenizer, a chat template that places images, and mlx-vlm's Qwen3-VL
+    image processor settings (small images: a few soft tokens each)."""
+    ids = vision_token_ids(vocab_size)
+    rename_tokens(directory / "tokenizer.json", ids)
+    tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
+    tokenizer_config.update(processor_class="Qwen3VLProcessor", image_token="<|image_pad|>",
+                            video_token="<|video_pad|>", vision_start_token="<|vision_start|>",
+                            vision_end_token="<|vision_end|>", chat_template=VISION_CHAT_TEMPLATE)
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    (directory / "chat_template.jinja").write_text(VISION_CHAT_TEMPLATE)
+    config = vision_config()
+    image = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
+             "patch_size": config["patch_size"], "temporal_patch_size": config["temporal_patch_size"],
+             "merge_size": config["spatial_merge_size"], "min_pixels": 16 * 16, "max_pixels": 32 * 32,
+             "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+    (directory / "preprocessor_config.json").write_text(json.dumps(image, indent=2))
 
 
 def image_request(model, before: list[int], after: list[int], seed: int, grid: int = 4, **request):
@@ -193,7 +258,9 @@ def image_request(model, before: list[int], after: list[int], seed: int, grid: i
 
     config = vision_config()
     merged = grid * grid // config["spatial_merge_size"] ** 2
-    ids = before + [VISION_START] + [IMAGE_TOKEN] * merged + [VISION_END] + after
+    markers = model.config
+    ids = (before + [markers.vision_start_token_id] + [markers.image_token_id] * merged
+           + [markers.vision_end_token_id] + after)
     patch = config["in_channels"] * config["temporal_patch_size"] * config["patch_size"] ** 2
     pixels = mx.array(np.random.default_rng(seed).normal(0, 1, (grid * grid, patch)).astype(np.float32))
     inputs = {"image_grid_thw": mx.array([[1, grid, grid]])}

@@ -262,21 +262,7 @@ def shared_kv_weights(text: dict, text_weights: dict[str, mx.array], spec: TinyS
 def _write_tokenizer(directory: Path, spec: TinySpec) -> dict[str, int]:
     """tiny.py's byte-level tokenizer with Gemma 4's multimodal and turn tokens on top ids."""
     ids = special_token_ids(spec.vocab_size)
-    by_id = {i: token for token, i in ids.items()}
-    path = directory / "tokenizer.json"
-    data = json.loads(path.read_text())
-    vocab = data["model"]["vocab"]
-    renamed = {name for name, i in vocab.items() if i in by_id}
-    for name in renamed:
-        del vocab[name]
-    vocab.update(ids)
-    merges = data["model"].get("merges") or []
-    data["model"]["merges"] = [m for m in merges
-                               if "".join(m if isinstance(m, list) else m.split(" ")) not in renamed]
-    for entry in data["added_tokens"]:
-        if entry["id"] in by_id:
-            entry["content"] = by_id[entry["id"]]
-    path.write_text(json.dumps(data, ensure_ascii=False))
+    tiny.rename_tokens(directory / "tokenizer.json", ids)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "processor_class": "Gemma4Processor",

@@ -176,3 +176,22 @@ def test_head_inside_the_model_shard_loads_or_is_refused_clearly(vlm, tmp_path):
         assert load_merged_drafter(tmp_path / "mlx", wrap_target(model)) is not None
     with pytest.raises(CheckpointError, match="Missing 1 parameters|sit in the model's shards"):
         load_target(_mlx_layout(vlm, tmp_path / "broken", drop="language_model.model.norm.weight"), with_tokenizer=False)
+
+
+def test_omlx_mtp_quantize_keeps_tower_and_head(vlm, tmp_path):
+    """``omlx-mtp quantize`` on a published checkpoint: the tower stays, the head goes where mlx-vlm's
+    strict load does not see it, and the quantized model decodes losslessly with its head."""
+    from omlx_mtp.cli import main
+
+    out = tmp_path / "q8"
+    assert main(["quantize", str(vlm.dir), str(out), "--bits", "8", "--group-size", "32", "--dtype", "float32"]) == 0
+    assert (out / "mtp" / "mtp.safetensors").is_file()
+    model, _, _ = load_target(out, with_tokenizer=False)
+    target = wrap_target(model)
+    assert isinstance(target, Qwen35MlxVlmTarget) and isinstance(target.layers[0].linear_attn.in_proj_qkv, nn.QuantizedLinear)
+    head = load_merged_drafter(out, target)
+    requests = [Request(p, max_tokens=40) for p in prompts(4, TEXT_VOCAB, seed=8)]
+    requests.append(image_request(model, [5, 17, 99], [20, 30, 40, 7], seed=0, max_tokens=40))
+    expected = [run_plain(target.plain_model(), r).row.generated for r in requests]
+    rows = SpeculativeDecoder(target, head, draft_tokens=3).generate(requests)
+    assert [row.generated for row in rows] == expected

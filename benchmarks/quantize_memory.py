@@ -19,7 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from omlx_mtp.tiny import write_tokenizer
+from omlx_mtp.fixtures.tiny import write_tokenizer
 
 
 def synthetic_checkpoint(directory: Path, layers: int, hidden: int = 2048, vocab: int = 32768) -> int:

@@ -17,7 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from omlx_mtp.decode.loop import Request  # noqa: E402
 from omlx_mtp.demo import PROMPTS, demo_pair  # noqa: E402
 from omlx_mtp.runner import Session, regime, run_mtp, run_plain  # noqa: E402
-from omlx_mtp.tiny_vlm import demo_vlm  # noqa: E402
+from omlx_mtp.fixtures.tiny_vlm import demo_vlm  # noqa: E402
 
 
 def main() -> None:

@@ -320,7 +320,7 @@ def _run_bench(tmp: Path, model, drafter, draft_tokens, max_tokens, repeats, pro
 
     peer, peer_note = None, peer_available()
     if synthetic is not None:
-        from .synthetic import synthetic_pair
+        from .fixtures.synthetic import synthetic_pair
 
         target, assistant = synthetic_pair(synthetic, synthetic_layers, dtype)
         session = Session(target, None, assistant)

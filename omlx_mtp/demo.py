@@ -18,7 +18,7 @@ from pathlib import Path
 from .decode.loop import Request, SpeculativeDecoder
 from .decode.oracle import OracleDrafter
 from .runner import Session, regime, run_mtp, run_plain
-from .tiny import TinySpec, write_pair
+from .fixtures.tiny import TinySpec, write_pair
 
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\nclass ", "    def __init__(self, name"]
 DEMO_SPEC = TinySpec(hidden_size=256, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=64,
@@ -43,7 +43,7 @@ def demo_qwen(scratch: Path) -> Path:
     trains it), or a tiny one with RANDOM weights where it is missing."""
     if (QWEN_DIR / "config.json").is_file():
         return QWEN_DIR
-    from .tiny_qwen import TinyQwenSpec, write_qwen
+    from .fixtures.tiny_qwen import TinyQwenSpec, write_qwen
 
     return write_qwen(scratch, TinyQwenSpec())
 

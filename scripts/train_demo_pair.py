@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from omlx_mtp.train import PairSpec, build_pair, distill_assistant
+from omlx_mtp.training.gemma4 import PairSpec, build_pair, distill_assistant
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "omlx_mtp" / "demo_pair"
 

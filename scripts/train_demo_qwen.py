@@ -10,7 +10,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from omlx_mtp.train_qwen import build_qwen_pair
+from omlx_mtp.training.qwen3_5 import build_qwen_pair
 
 PACKAGE = Path(__file__).resolve().parent.parent / "omlx_mtp"
 

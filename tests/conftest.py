@@ -10,7 +10,7 @@ import pytest
 from omlx_mtp.targets import wrap_target
 from omlx_mtp.drafters import load_drafter
 from omlx_mtp.models import load_target
-from omlx_mtp.tiny import TinySpec, write_pair
+from omlx_mtp.fixtures.tiny import TinySpec, write_pair
 
 # Tests never reach the network: subprocesses (oMLX, oQ) inherit these too.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

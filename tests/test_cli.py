@@ -12,7 +12,7 @@ import pytest
 
 from omlx_mtp.cli import main
 from omlx_mtp.peer import peer_available
-from omlx_mtp.tiny import TinySpec, write_assistant
+from omlx_mtp.fixtures.tiny import TinySpec, write_assistant
 
 FIELDS = {"text", "tokens", "generated_tokens", "mtp", "rounds", "drafted", "accepted", "acceptance_rate",
           "tokens_per_round", "tokens_per_second"}

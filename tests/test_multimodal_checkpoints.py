@@ -21,8 +21,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from omlx_mtp.checkpoint import tensor_infos  # noqa: E402
 from omlx_mtp.cli import main  # noqa: E402
 from omlx_mtp.host.omlx import attach_decode_strategy, engine_built  # noqa: E402
-from omlx_mtp.tiny import TinySpec, write_assistant  # noqa: E402
-from omlx_mtp.tiny_vlm import write_tiny_vlm  # noqa: E402
+from omlx_mtp.fixtures.tiny import TinySpec, write_assistant  # noqa: E402
+from omlx_mtp.fixtures.tiny_vlm import write_tiny_vlm  # noqa: E402
 
 from .test_quantize import digest, run  # noqa: E402
 
@@ -140,7 +140,7 @@ def test_generate_image_json_equals_no_mtp(source, quantized, tmp_path, capsys):
 
 
 def test_generate_image_refused_for_a_text_checkpoint(tmp_path, capsys):
-    from omlx_mtp.tiny import write_pair
+    from omlx_mtp.fixtures.tiny import write_pair
 
     target, _ = write_pair(tmp_path / "text", TinySpec())
     code, _, err = run(capsys, "generate", "--model", target, "--prompt", "x", "--image", tmp_path / "none.png",

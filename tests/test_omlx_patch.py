@@ -143,7 +143,7 @@ def test_oq_keeps_mtp_only_with_plugin(tree, tmp_path, plugin):
 def test_oq_puts_a_multimodal_checkpoints_head_where_mlx_vlm_does_not_load(tree, tmp_path):
     """A published Qwen3.5 (vision tower) through oQ: the head goes to ``mtp/mtp.safetensors``, so
     mlx-vlm's strict load of the model's shards (oMLX's VLM engine) still works, and the head loads."""
-    from omlx_mtp.tiny_qwen import TinyQwenSpec, write_qwen
+    from omlx_mtp.fixtures.tiny_qwen import TinyQwenSpec, write_qwen
 
     run("apply", tree)
     src = write_qwen(tmp_path / "qwen-vl", TinyQwenSpec(vision=True))

@@ -15,7 +15,7 @@ import shutil
 import pytest
 
 from omlx_mtp.demo import demo_qwen
-from omlx_mtp.tiny_qwen import add_vision
+from omlx_mtp.fixtures.tiny_qwen import add_vision
 
 from .test_omlx_patch import _python
 from .test_omlx_serve import SERVES, chat, concurrent_requests_equal_plain, mtp_lines, omlx_server, patched_tree

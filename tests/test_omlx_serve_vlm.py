@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from omlx_mtp.cli import main
-from omlx_mtp.tiny import TinySpec, write_assistant
-from omlx_mtp.tiny_vlm import add_towers, demo_vlm
+from omlx_mtp.fixtures.tiny import TinySpec, write_assistant
+from omlx_mtp.fixtures.tiny_vlm import add_towers, demo_vlm
 
 from .test_omlx_serve import SERVES, chat, concurrent_requests_equal_plain, mtp_lines, omlx_server, patched_tree
 
@@ -125,7 +125,7 @@ def test_mtp_holds_no_second_copy_of_the_target(root, tmp_path):
     """One-model servers, MTP on and off, after the same requests: RSS grows by at most the drafter
     and a tenth of the target's weights.  The target is big enough (float32, random weights: only
     memory is measured) that a second copy of it would show."""
-    from omlx_mtp.tiny import write_target
+    from omlx_mtp.fixtures.tiny import write_target
 
     _, tree, _, _ = root
     big = TinySpec(hidden_size=1024, vocab_size=65536, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64,

@@ -13,7 +13,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from omlx_mtp.cli import main
-from omlx_mtp.tiny import TinySpec, write_pair
+from omlx_mtp.fixtures.tiny import TinySpec, write_pair
 
 
 def digest(directory) -> str:
@@ -191,7 +191,7 @@ def test_unsupported_dtype(gemma_pair, tmp_path, capsys):
 
 
 def test_assistant_that_does_not_fit(gemma_pair, tmp_path, capsys):
-    from omlx_mtp.tiny import write_assistant
+    from omlx_mtp.fixtures.tiny import write_assistant
 
     other = write_assistant(tmp_path / "other", TinySpec(hidden_size=96))
     err = expect_failure(capsys, "quantize", gemma_pair[0], tmp_path / "out", "--assistant", other,

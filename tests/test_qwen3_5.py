@@ -20,7 +20,7 @@ from omlx_mtp.host.batch_generator import MTPBatchGenerator
 from omlx_mtp.models import load_target
 from omlx_mtp.runner import run_plain
 from omlx_mtp.targets import Qwen35MlxLmTarget, wrap_target
-from omlx_mtp.tiny_qwen import TinyQwenSpec, build, write_qwen
+from omlx_mtp.fixtures.tiny_qwen import TinyQwenSpec, build, write_qwen
 
 from .conftest import prompts
 from .stats import chi_square_p_value

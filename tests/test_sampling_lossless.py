@@ -19,7 +19,7 @@ from omlx_mtp.decode.sampling import SamplingParams, log_softmax, target_probs
 from omlx_mtp.targets import wrap_target
 from omlx_mtp.drafters import load_drafter
 from omlx_mtp.models import load_target
-from omlx_mtp.tiny import TinySpec, write_pair
+from omlx_mtp.fixtures.tiny import TinySpec, write_pair
 
 from .stats import chi_square_p_value
 

@@ -104,7 +104,7 @@ def test_bad_drafter_settings_fall_back_to_plain(pair_31b, settings, caplog):
 
 
 def test_mismatched_drafter_is_logged_not_raised(pair_31b, tmp_path, caplog):
-    from omlx_mtp.tiny import TinySpec, write_assistant
+    from omlx_mtp.fixtures.tiny import TinySpec, write_assistant
 
     other = write_assistant(tmp_path / "other", TinySpec(hidden_size=96))
     manager = omlx_mtp.get_plugin_manager()

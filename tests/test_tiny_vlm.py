@@ -18,9 +18,9 @@ import numpy as np
 from mlx.utils import tree_flatten
 from PIL import Image
 
-from omlx_mtp import tiny
-from omlx_mtp.tiny import TinySpec
-from omlx_mtp.tiny_vlm import NAMED_TOKENS, TinyVisionSpec, image_prompt_inputs, write_tiny_vlm
+from omlx_mtp.fixtures import tiny
+from omlx_mtp.fixtures.tiny import TinySpec
+from omlx_mtp.fixtures.tiny_vlm import NAMED_TOKENS, TinyVisionSpec, image_prompt_inputs, write_tiny_vlm
 
 # Gemma 4's USM feature-extractor defaults (which mlx-vlm always builds) leave one mel filter empty.
 pytestmark = pytest.mark.filterwarnings("ignore:At least one mel filter:UserWarning")

@@ -26,9 +26,9 @@ from omlx_mtp.models import load_target  # noqa: E402
 from omlx_mtp.runner import run_plain  # noqa: E402
 from omlx_mtp.targets import Gemma4MlxVlmTarget, wrap_target  # noqa: E402
 from omlx_mtp.targets.base import prefill_on_host  # noqa: E402
-from omlx_mtp.tiny import TinySpec, write_assistant  # noqa: E402
+from omlx_mtp.fixtures.tiny import TinySpec, write_assistant  # noqa: E402
 from omlx_mtp.multimodal import embedded_request  # noqa: E402
-from omlx_mtp.tiny_vlm import write_tiny_vlm  # noqa: E402
+from omlx_mtp.fixtures.tiny_vlm import write_tiny_vlm  # noqa: E402
 
 from .conftest import prompts  # noqa: E402
 

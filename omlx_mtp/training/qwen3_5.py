@@ -22,9 +22,9 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx_lm.models import qwen3_5
 
-from .drafters.qwen3_5_mtp import Qwen35MTPHead
-from .tiny_qwen import TinyQwenSpec, published_config, published_tensors, tower_tensors
-from .train import batches, init_small, stdlib_corpus, train_target
+from ..drafters.qwen3_5_mtp import Qwen35MTPHead
+from ..fixtures.tiny_qwen import TinyQwenSpec, published_config, published_tensors, tower_tensors
+from .gemma4 import batches, init_small, stdlib_corpus, train_target
 
 SPEC = TinyQwenSpec(vocab_size=1024, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

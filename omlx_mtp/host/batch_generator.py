@@ -219,7 +219,7 @@ def _rope_delta(model, uid: int) -> int:
     """A request's mRoPE delta, as oMLX's VLM adapter keeps them by uid (registered after insert,
     so known by the time a request is admitted here); 0 for other hosts and models."""
     deltas = getattr(model, "_uid_rope_deltas", None) or {}
-    return int(deltas.get(uid, 0))
+    return int(deltas.get(uid) or 0)
 
 
 def _is_pure(processor) -> bool:

@@ -102,3 +102,16 @@ def files_holding(directory: Path, prefixes: tuple[str, ...], own_shard: str) ->
         weight_map = json.loads(index.read_text()).get("weight_map", {})
         return [directory / n for n in sorted({f for k, f in weight_map.items() if k.startswith(prefixes)})]
     return safetensors_files(directory)
+
+
+def tensors_under(files: list[Path], prefixes: tuple[str, ...]) -> tuple[dict, str | None]:
+    """The tensors of ``files`` named under the first of ``prefixes`` that any of them uses, the
+    prefix stripped, and that prefix (None when none is used).  Each file is read once."""
+    found: dict[str, dict] = {prefix: {} for prefix in prefixes}
+    for file in files:
+        for name, value in mx.load(str(file)).items():
+            prefix = next((p for p in prefixes if name.startswith(p)), None)
+            if prefix is not None:
+                found[prefix][name[len(prefix):]] = value
+    prefix = next((p for p in prefixes if found[p]), None)
+    return (found[prefix], prefix) if prefix is not None else ({}, None)

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import mlx.core as mx
-
-from ..checkpoint import files_holding, read_config
+from ..checkpoint import files_holding, read_config, tensors_under
 from ..errors import CheckpointError
 from ..mtp_tensors import mtp_shard
 from . import gemma4_assistant, qwen3_5_mtp
@@ -52,9 +50,7 @@ def load_merged_drafter(model_dir: str | Path, target):
     if merged is None:
         return None
     assistant_config, prefix = merged
-    weights = {}
-    for file in files_holding(directory, (prefix,), mtp_shard(config)):
-        weights.update({k[len(prefix):]: v for k, v in mx.load(str(file)).items() if k.startswith(prefix)})
+    weights, _ = tensors_under(files_holding(directory, (prefix,), mtp_shard(config)), (prefix,))
     if not weights:
         raise CheckpointError(f"{directory}: config.json embeds an assistant but no {prefix}* tensors were found")
     drafter = gemma4_assistant.build_gemma4_assistant(assistant_config, weights, quantization_under(config, prefix),

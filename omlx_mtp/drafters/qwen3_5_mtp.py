@@ -25,7 +25,7 @@ import mlx.nn as nn
 from mlx_lm.models import qwen3_5
 from mlx_lm.models.base import create_attention_mask
 
-from ..checkpoint import files_holding, read_config
+from ..checkpoint import files_holding, read_config, tensors_under
 from ..decode import cache as caches
 from ..errors import CheckpointError
 from ..mtp_tensors import mtp_shard
@@ -141,11 +141,5 @@ def sanitize(weights: dict, head: Qwen35MTPHead) -> dict:
 
 def _head_tensors(directory: Path, config: dict) -> tuple[dict, str]:
     """The head's tensors with the prefix stripped."""
-    files = files_holding(directory, PREFIXES, mtp_shard(config))
-    for prefix in PREFIXES:
-        found = {}
-        for file in files:
-            found.update({k[len(prefix):]: v for k, v in mx.load(str(file)).items() if k.startswith(prefix)})
-        if found:
-            return found, prefix
-    return {}, PREFIXES[0]
+    weights, prefix = tensors_under(files_holding(directory, PREFIXES, mtp_shard(config)), PREFIXES)
+    return weights, prefix or PREFIXES[0]

@@ -5,8 +5,7 @@ The head is distilled as it runs at inference for its first draft: at every posi
 sequence (all in parallel, causal attention over the head's own entries) it reads the trunk's
 final-normed hidden state at t and the token at t + 1, and its soft label is the trunk's own
 distribution at t + 1 (which predicts t + 2).  The checkpoint is written as Qwen publishes them
-(``tiny_qwen.published_tensors``), optionally with a random vision tower so that hosts load it
-as a multimodal model."""
+(``tiny_qwen.published_tensors``), text-only; ``tiny_qwen.add_vision`` makes a multimodal copy."""
 
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ import numpy as np
 from mlx_lm.models import qwen3_5
 
 from ..drafters.qwen3_5_mtp import Qwen35MTPHead
-from ..fixtures.tiny_qwen import TinyQwenSpec, published_config, published_tensors, tower_tensors
+from ..fixtures.tiny_qwen import TinyQwenSpec, published_config, published_tensors
 from .gemma4 import batches, init_small, stdlib_corpus, train_target
 
 SPEC = TinyQwenSpec(vocab_size=1024, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32)
@@ -60,14 +59,13 @@ def train_head(head: Qwen35MTPHead, model: qwen3_5.Model, tokens: np.ndarray, st
 
 
 def build_qwen_pair(out: Path, tokenizer_dir: Path, target_steps: int, head_steps: int, batch: int = 16,
-                    seq_len: int = 128, corpus_bytes: int = 3_000_000, vision: bool = False, log=print) -> Path:
+                    seq_len: int = 128, corpus_bytes: int = 3_000_000, log=print) -> Path:
     """Train the trunk, then its head; write one checkpoint directory (the head inside, ``mtp.*``)."""
     from mlx_lm.utils import load_tokenizer
 
     out = Path(out)
     tokenizer = load_tokenizer(Path(tokenizer_dir))
-    spec = replace(SPEC, vocab_size=len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else SPEC.vocab_size,
-                   vision=vision)
+    spec = replace(SPEC, vocab_size=len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else SPEC.vocab_size)
     corpus = stdlib_corpus(corpus_bytes)
     tokens = np.array(tokenizer.encode(corpus), dtype=np.int32)
     log(f"corpus: {len(corpus) / 1e6:.1f} MB of Python standard library sources, {len(tokens):,} tokens")
@@ -81,8 +79,6 @@ def build_qwen_pair(out: Path, tokenizer_dir: Path, target_steps: int, head_step
     model.eval()
     out.mkdir(parents=True, exist_ok=True)
     tensors = published_tensors(model, head, spec)
-    if vision:
-        tensors.update(tower_tensors(spec, seed=0))
     mx.save_safetensors(str(out / "model.safetensors"), tensors, metadata={"format": "pt"})
     config["text_config"].update(eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
     (out / "config.json").write_text(json.dumps(config, indent=2))

@@ -57,7 +57,7 @@ def component_costs(session: Session, prompt: list[int], K: int) -> dict:
         token, h_prev = mx.zeros((1, 1), dtype=mx.int32), hidden[:, -1:]
 
         def draft():  # one greedy draft step, compiled as the loop runs it
-            mx.eval(*decoder._greedy_step(token, h_prev, position, *context))
+            mx.eval(*decoder._greedy_step(False)(token, h_prev, position, *context))
 
         costs["draft_ms"] = _median_ms(draft)
     elif session.drafter is not None and hasattr(session.drafter, "make_cache"):  # a head with its own K/V

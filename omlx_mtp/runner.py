@@ -11,6 +11,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from .decode.loop import DecodeStats, Request, RowState, SpeculativeDecoder
+from .decode.processors import RowProcessors
 from .targets import Target, wrap_target
 from .targets.base import prefill_on_host
 from .drafters import load_drafter, load_merged_drafter
@@ -120,7 +121,8 @@ def run_plain(model, request: Request, seed=None, prefill_step: int = 512) -> Ou
         mx.random.seed(seed)
     params = request.params
     prompt = mx.array(list(request.prompt), dtype=mx.int32)
-    row = RowState(request, params.processors(), prompt)
+    processors = [_following_history(p) for p in params.processors()]
+    row = RowState(request, RowProcessors(), prompt)
     start = time.perf_counter()
     first = None
     extra = {}
@@ -132,7 +134,7 @@ def run_plain(model, request: Request, seed=None, prefill_step: int = 512) -> Ou
         model,
         max_tokens=request.max_tokens,
         sampler=params.mlx_sampler(),
-        logits_processors=row.processors or None,
+        logits_processors=processors or None,
         prefill_step_size=prefill_step,
         **extra,
     )
@@ -145,3 +147,22 @@ def run_plain(model, request: Request, seed=None, prefill_step: int = 512) -> Ou
     end = time.perf_counter()
     return Outcome(row, False, first - start, end - first)
 
+
+
+def _following_history(processor):
+    """``processor`` for mlx-lm's ``generate_step``, which computes a token's successor before it
+    yields the token: a processor that follows the output (``accept_token``: grammars) takes the
+    new tokens of the history it is handed instead, as oMLX's patched step does."""
+    if not hasattr(processor, "accept_token"):
+        return processor
+    seen = []
+
+    def follow(tokens, logits):
+        if not seen:
+            seen.append(len(tokens))  # the first call sees the prompt
+        for token in tokens[seen[0]:].tolist():
+            processor.accept_token(token)
+        seen[0] = len(tokens)
+        return processor(tokens, logits)
+
+    return follow

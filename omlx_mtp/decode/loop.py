@@ -29,6 +29,7 @@ from . import cache as caches
 from .sampling import SamplingParams, draft_probs, log_softmax, target_probs
 from ..targets.base import PromptEmbeddings, Target, prefill_on_host
 from .mlx_lm_caches import from_mlx_lm, to_mlx_lm
+from .processors import RowProcessors
 
 QUERY_AT_BONUS = 0  # drafter query at the bonus token's position N (HF transformers)
 QUERY_AT_LAST = -1  # at N - 1, the position of the hidden state (vLLM, mlx-vlm)
@@ -77,21 +78,20 @@ class Request:
 @dataclass(eq=False)  # rows are compared by identity
 class RowState:
     """One request in the batch.  ``sampler``: a host's own sampler whose distribution is not
-    known here (the row then takes one token per round, drawn by that sampler); ``stateful``:
-    logits processors that may keep state (grammars follow the emitted tokens through
-    ``accept_token``), which must not see drafts, so they likewise hold the row to one token
-    per round; ``matcher``: token -> True when a stop sequence completed (default: the
-    request's stop tokens)."""
+    known here (the row then takes one token per round, drawn by that sampler); ``processors``:
+    its logits processors, which grammars and other stateful ones among them follow through the
+    positions of a verify and back (``RowProcessors``; one whose state can't be undone holds the
+    row to one token per round); ``matcher``: token -> True when a stop sequence completed
+    (default: the request's stop tokens)."""
 
     request: Request
-    processors: list
+    processors: RowProcessors
     history: mx.array  # prompt + emitted tokens (bonus included) for logits processors
     generated: list = field(default_factory=list)
     finish_reason: str | None = None
     stats: DecodeStats = field(default_factory=DecodeStats)
     controller: DepthController | None = None
     sampler: Callable | None = None
-    stateful: list = field(default_factory=list)
     matcher: Callable[[int], bool] | None = None
     stop_token: int | None = None  # the token that ended the row ("stop"); not in ``generated``
     prompt_length: int = 0  # tokens in the target cache before the first generated one
@@ -104,7 +104,7 @@ class RowState:
 
     @property
     def one_token_per_round(self) -> bool:
-        return self.sampler is not None or bool(self.stateful)
+        return self.sampler is not None or not self.processors.can_draft
 
     def _stops(self, token: int) -> bool:
         return self.matcher(token) if self.matcher is not None else token in self.request.stop_tokens
@@ -113,9 +113,7 @@ class RowState:
         """Append tokens up to a stop token or max_tokens; return what was appended."""
         out = []
         for token in tokens:
-            for processor in self.stateful:
-                if hasattr(processor, "accept_token"):
-                    processor.accept_token(token)
+            self.processors.accept(token)
             if self._stops(token):
                 self.finish_reason, self.stop_token = "stop", token
                 break
@@ -159,7 +157,7 @@ class LiveBatch:
         history = mx.array(list(request.prompt), dtype=mx.int32)
         if processors is None:
             processors = request.params.processors()
-        return RowState(request, processors, history, controller=controller, **extra)
+        return RowState(request, RowProcessors(processors), history, controller=controller, **extra)
 
     def _split_key(self):
         self.key, sub = mx.random.split(self.key)
@@ -170,11 +168,12 @@ class LiveBatch:
         (the last prompt position), then let the unfinished ones join the batch."""
         for row, length in zip(rows, caches.lengths_of(cache)):
             row.prompt_length = length
-        logits = self.decoder._process(rows, logits[:, -1:], lambda r, i: rows[r].history)
+        logits = self.decoder._process(rows, logits[:, -1:])
         bonus = self.decoder._sample_rows(rows, logits[:, 0], self._split_key())
         first = bonus.tolist()
         new = []
         for row, token in zip(rows, first):
+            row.processors.settle(1)
             row.history = mx.concatenate([row.history, mx.array([token], dtype=mx.int32)])
             new.append(row.emit([token]))
         self.first_logits = logits
@@ -251,7 +250,7 @@ class LiveBatch:
         wanted = self._depths(rows)
         remaining = max(row.request.max_tokens - len(row.generated) for row in rows)
         K = max(0, min(max(wanted), self.max_depth, remaining - 1))
-        if K == 0 and not any(row.stateful for row in rows):
+        if K == 0 and not any(row.processors.stateful for row in rows):
             return self._plain_stretch(min(self.max_plain_stretch, remaining))
         caps = [min(w, K) for w in wanted]
         started, traces = time.perf_counter(), self.decoder.traces_made
@@ -262,6 +261,7 @@ class LiveBatch:
         new, lengths = [], []
         for slot, row in enumerate(rows):
             kept = drafts_host[slot][: n_host[slot]] + [bonus_host[slot]]
+            row.processors.settle(len(kept))
             row.stats.rounds += 1
             row.stats.drafted += caps[slot]
             row.stats.accepted += n_host[slot]
@@ -285,7 +285,7 @@ class LiveBatch:
             decoder._absorb(self.cache, bonus[:, None], hidden)
             logits, hidden = decoder.target.forward(bonus[:, None], self.cache)
             caches.advance(self.cache, 1)
-            logits = decoder._process(rows, logits, lambda r, i: rows[r].history)
+            logits = decoder._process(rows, logits)
             bonus = decoder._sample_rows(rows, logits[:, 0], self._split_key())
             mx.async_eval(bonus, hidden)
             steps.append((bonus, logits))
@@ -367,6 +367,7 @@ class SpeculativeDecoder:
         self._trace_caches: OrderedDict = OrderedDict()  # name -> TraceCache (draft steps, acceptance)
         self._retired_traces = 0
         self.batch_controllers: dict = {}  # (batch size, max depth) -> DepthController, for auto
+        self.mask_drafts = True  # rows under a grammar draft only what it allows
 
     # -- public ---------------------------------------------------------------------------
     def generate(self, requests: Sequence[Request], seed: int | None = None, draft_tokens: int | str | None = None):
@@ -523,7 +524,7 @@ class SpeculativeDecoder:
         verify = mx.concatenate([bonus[:, None], drafts], axis=1)
         logits, verify_hidden = self.target.forward(verify, cache)
         self._absorb(cache, verify, mx.concatenate([hidden, verify_hidden[:, :-1]], axis=1))
-        logits = self._process(rows, logits, lambda r, i: mx.concatenate([rows[r].history, drafts[r, :i]]))
+        logits = self._process(rows, logits, drafts, caps)
         n, nxt, new_hidden = self._accept(rows, drafts, q, logits, verify_hidden, accept_key,
                                           caps if caps is not None else [K] * len(rows))
         nxt = self._host_sampled(rows, logits[:, 0], nxt)  # such rows keep no drafts (caps 0)
@@ -562,35 +563,52 @@ class SpeculativeDecoder:
         sampled = any(t > 0 for t in temps)
         temp = mx.array([t if t > 0 else 1.0 for t in temps], dtype=mx.float32)[:, None]
         is_greedy = mx.array([t <= 0 for t in temps])
+        # Rows under a grammar draft only what it allows: each step's mask follows the drafts
+        # before it, so the step's draft is read back (one host sync per step).
+        masked = self.mask_drafts and any(row.processors.grammars for row in rows)
         if self.own_cache:
             own = cache[self.target_caches :]
             start = list(caches.lengths_of(own))
 
-            def step(token, h, step_key):
+            def step(token, h, step_key, mask):
                 logits, h = self.drafter.step(self.target, token, h, own)
                 caches.advance(own, 1)
+                if mask is not None:
+                    logits = masked_logits(logits, mask)
                 if not sampled:
                     return mx.argmax(logits, axis=-1).astype(mx.int32), None, h
                 return (*draw_draft(logits, temp, is_greedy, step_key), h)
         else:
             query_position, context = self.draft_context(cache)
 
-            def step(token, h, step_key):
+            def step(token, h, step_key, mask):
+                extra = () if mask is None else (mask,)
                 if sampled:
-                    return self._sampled_step(token, h, query_position, temp, is_greedy, step_key, *context)
-                best, h = self._greedy_step(token, h, query_position, *context)
+                    return self._sampled_step(mask is not None)(
+                        token, h, query_position, temp, is_greedy, step_key, *extra, *context)
+                best, h = self._greedy_step(mask is not None)(token, h, query_position, *extra, *context)
                 return best, None, h
         token, h = bonus[:, None], hidden
-        drafts, qs = [], []
+        drafts, qs, drafted = [], [], [[] for _ in rows]
         for step_key in mx.random.split(key, K):
-            best, q, h = step(token, h, step_key)
+            mask = self._draft_masks(rows, drafted) if masked else None
+            best, q, h = step(token, h, step_key, mask)
             qs.append(q)
             drafts.append(best)
             token = best[:, None]
+            if masked:
+                for row_drafts, t in zip(drafted, best.tolist()):
+                    row_drafts.append(t)
         if self.own_cache:
             caches.commit(own, start)  # what the draft steps wrote is taken back; the round writes the true pairs
         q = mx.stack(qs, axis=1) if sampled else None
         return mx.stack(drafts, axis=1), q
+
+    def _draft_masks(self, rows, drafted: list[list[int]]) -> mx.array:
+        """[B, V] additive masks for the next draft step: each grammar row's allowed tokens."""
+        vocab = self.target.vocab_size
+        masks = [row.processors.draft_mask(done, vocab) for row, done in zip(rows, drafted)]
+        return mx.stack([m if m is not None else mx.zeros((vocab,)) for m in masks])
 
     def draft_context(self, cache) -> tuple[mx.array, list]:
         """What every draft step of a round reads: the query position, and per drafter layer
@@ -613,21 +631,25 @@ class SpeculativeDecoder:
         logits, h = self.drafter(self.target.input_embedding(token), h, shared_kv, masks, position)
         return logits[:, -1], h
 
-    @property
-    def _greedy_step(self):
+    def _greedy_step(self, masked: bool):
         def step(token, h, position, *context):
+            mask, context = (context[0], context[1:]) if masked else (None, context)
             logits, h = self._drafter_logits(token, h, position, context)
+            if mask is not None:
+                logits = masked_logits(logits, mask)
             return mx.argmax(logits, axis=-1).astype(mx.int32), h
 
-        return self._traced("greedy-step", step)
+        return self._traced(("greedy-step", masked), step)
 
-    @property
-    def _sampled_step(self):
+    def _sampled_step(self, masked: bool):
         def step(token, h, position, temp, is_greedy, key, *context):
+            mask, context = (context[0], context[1:]) if masked else (None, context)
             logits, h = self._drafter_logits(token, h, position, context)
+            if mask is not None:
+                logits = masked_logits(logits, mask)
             return (*draw_draft(logits, temp, is_greedy, key), h)
 
-        return self._traced("sampled-step", step)
+        return self._traced(("sampled-step", masked), step)
 
     max_trace_caches = 16  # draft steps, acceptance graphs (one per sampling distribution)
 
@@ -648,9 +670,9 @@ class SpeculativeDecoder:
         forward = self.target.compiled.traces.made if self.target.compiled is not None else 0
         return forward + self._retired_traces + sum(c.made for c in self._trace_caches.values())
 
-    def _process(self, rows, logits: mx.array, history_at) -> mx.array:
-        """Apply each row's logits processors at every position; history_at(row, i) is the
-        token history position i's logits follow (mlx-lm's ``tokens`` argument)."""
+    def _process(self, rows, logits: mx.array, drafts: mx.array | None = None, caps=None) -> mx.array:
+        """Apply each row's logits processors at every position it may keep (logits [B, L, V];
+        position i follows the row's history and its first i drafts)."""
         if not any(row.processors for row in rows):
             return logits
         out = []
@@ -658,16 +680,12 @@ class SpeculativeDecoder:
             if not row.processors:
                 out.append(logits[r])
                 continue
-            positions = []
             # A row held to one token per round keeps no draft: only its first position counts,
-            # and stateful processors must not see drafts that will be thrown away.
-            for i in range(1 if row.one_token_per_round else logits.shape[1]):
-                value = logits[r, i][None]
-                history = history_at(r, i)
-                for processor in row.processors:
-                    value = processor(history, value)
-                positions.append(value[0])
-            out.append(mx.concatenate([mx.stack(positions), logits[r, len(positions):]]))
+            # and processors must not see drafts that will be thrown away.
+            keep = 1 if row.one_token_per_round else logits.shape[1] if caps is None else caps[r] + 1
+            row_drafts = drafts[r] if drafts is not None else mx.zeros((0,), dtype=mx.int32)
+            processed = row.processors.verify(row.history, row_drafts, logits[r, :keep])
+            out.append(mx.concatenate([processed, logits[r, keep:]]) if keep < logits.shape[1] else processed)
         return mx.stack(out)
 
     def _target_distribution(self, rows, logits: mx.array) -> mx.array:
@@ -683,6 +701,14 @@ class SpeculativeDecoder:
             else:
                 out.append(target_probs(logits[r], params))
         return mx.stack(out)
+
+
+def masked_logits(logits: mx.array, mask: mx.array) -> mx.array:
+    """Drafter logits [B, V] plus a grammar's additive mask; a row left with nothing (a head that
+    scores only some tokens, none of them allowed) keeps its own logits."""
+    masked = logits + mask.astype(logits.dtype)
+    empty = mx.max(masked, axis=-1, keepdims=True) == -mx.inf
+    return mx.where(empty, logits, masked)
 
 
 def draw_draft(logits: mx.array, temp: mx.array, is_greedy: mx.array, key) -> tuple[mx.array, mx.array]:

@@ -7,9 +7,10 @@ Here a step runs one speculative round for every running request, so a request m
 responses (tokens) from one step, each exactly what plain decoding would have produced.
 
 Requests keep their own acceptance and depth (``draft_tokens: auto`` falls back to plain rounds
-per request).  A request whose sampling this loop cannot reproduce as a distribution (no
-``sampling_params``, XTC) or whose logits processors keep state (``accept_token``: grammars)
-still runs here, one token per round, drawn by its own sampler.  A request whose cache cannot be
+per request).  Grammars and oMLX's thinking budget draft like any request: their state follows
+the drafts through a verify and back (``decode.processors``).  A request whose sampling this loop
+cannot reproduce as a distribution (no ``sampling_params``, XTC) or whose logits processors keep
+state that can't be undone still runs here, one token per round, drawn by its own sampler.  A request whose cache cannot be
 read (another cache type) goes to the host's own plain ``BatchGenerator`` instead.
 """
 
@@ -28,9 +29,6 @@ from ..decode.sampling import SamplingParams, log_softmax
 from ..errors import MTPError
 
 log = logging.getLogger("omlx_mtp")
-
-# mlx-lm's own pure processors (functions of tokens and logits only); others may keep state.
-_PURE_PROCESSOR_MODULES = ("mlx_lm.sample_utils", "omlx_mtp.")
 
 
 class MTPBatchGenerator:
@@ -136,9 +134,11 @@ class MTPBatchGenerator:
             return self._insert_plain(p)
         params, sampler = _distribution(p.params, p.sampler)
         row = batch.new_row(Request(p.all_tokens + p.prompt, params, p.max_tokens), p.processors, sampler=sampler,
-                            matcher=_matcher(p.stops, self.default_stops),
-                            stateful=[q for q in p.processors if not _is_pure(q)])
+                            matcher=_matcher(p.stops, self.default_stops))
         row.uid = p.uid
+        if row.processors.opaque:
+            log.info("omlx-mtp: request uid %d takes one token per round: logits processor %s keeps state "
+                     "that can't be rolled back", p.uid, type(row.processors.opaque[0]).__name__)
         cache, hidden, logits = decoder._prefill_one(p.prompt, batch.max_depth + 1, cache=cache)
         tokens = batch.start([row], cache, hidden, logits)[0]
         out = self._responses(row, tokens, batch.first_logits, 0)
@@ -220,11 +220,6 @@ def _rope_delta(model, uid: int) -> int:
     so known by the time a request is admitted here); 0 for other hosts and models."""
     deltas = getattr(model, "_uid_rope_deltas", None) or {}
     return int(deltas.get(uid) or 0)
-
-
-def _is_pure(processor) -> bool:
-    module = getattr(processor, "__module__", "") or ""
-    return not hasattr(processor, "accept_token") and module.startswith(_PURE_PROCESSOR_MODULES)
 
 
 def _matcher(stops, default_stops):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -41,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     gen.add_argument("--image", action="append", default=[], metavar="PATH",
                      help="an image for a multimodal checkpoint (repeat for several; the prompt is chat-templated)")
+    gen.add_argument("--json-schema", metavar="FILE", help="constrain the output to this JSON schema (xgrammar)")
+    gen.add_argument("--grammar", metavar="FILE", help="constrain the output to this EBNF grammar (xgrammar)")
     gen.add_argument("--no-mtp", action="store_true", help="plain decoding")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     _add_sampling(gen)
@@ -120,6 +123,26 @@ def _sampling_params(args):
     )
 
 
+def _grammar(session, args):
+    """The xgrammar processor --json-schema or --grammar asks for."""
+    if args.json_schema and args.grammar:
+        raise MTPError("give --json-schema or --grammar, not both")
+    try:
+        from .decode.grammar import GrammarCompiler
+        import xgrammar  # noqa: F401
+    except ImportError:
+        raise MTPError("constrained output needs xgrammar: pip install 'omlx-mtp[grammar]'") from None
+    path = args.json_schema or args.grammar
+    try:
+        text = open(path).read()
+        compiler = GrammarCompiler(session.tokenizer, session.target.vocab_size)
+        return compiler.json_schema(json.loads(text)) if args.json_schema else compiler.ebnf(text)
+    except OSError as exc:
+        raise MTPError(f"cannot read {path}: {exc.strerror}") from None
+    except (ValueError, RuntimeError) as exc:  # bad JSON, or xgrammar refusing the schema/grammar
+        raise MTPError(f"{path}: not a usable {'JSON schema' if args.json_schema else 'grammar'}: {str(exc).strip()}") from None
+
+
 def cmd_generate(args) -> int:
     from .decode.loop import Request
     from .runner import Session
@@ -142,6 +165,8 @@ def cmd_generate(args) -> int:
                                 max_tokens=args.max_tokens, stop_tokens=session.stop_tokens())
     else:
         request = Request(session.encode(args.prompt, chat=args.chat), params, args.max_tokens, session.stop_tokens())
+    if args.json_schema or args.grammar:
+        request.params = dataclasses.replace(params, logits_processors=(_grammar(session, args),))
     outcome = session.run(request, mtp=not args.no_mtp, seed=args.seed)
     result = outcome.as_dict(session.tokenizer)
     if args.json:

@@ -317,3 +317,26 @@ def test_omlx_grammar_and_thinking_budget_draft(demo, omlx_processors):
         assert [r.generated for r in rows] == plain
         assert min(r.stats.tokens_per_round for r in rows) > 1.3
     assert all(close in g for g in plain)  # the budget forced its close-think token
+
+
+# -- the command line ----------------------------------------------------------------------------
+def test_generate_with_a_json_schema(demo, tmp_path, capsys):
+    from omlx_mtp.cli import main
+
+    from .test_cli import expect_error
+
+    schema = tmp_path / "file.json"
+    schema.write_text(json.dumps(FILE))
+    common = ["generate", "--model", str(PAIR_DIR / "target"), "--prompt", PROMPTS[0], "--max-tokens", "80",
+              "--json-schema", str(schema), "--json"]
+    outs = []
+    for extra in (["--drafter", str(PAIR_DIR / "assistant")], ["--no-mtp"]):
+        assert main(common + extra) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    assert outs[0]["text"] == outs[1]["text"]
+    jsonschema.validate(json.loads(outs[0]["text"]), FILE)
+    assert outs[0]["tokens_per_round"] > 1.3
+    bad = tmp_path / "bad.ebnf"
+    bad.write_text('root ::= "{" [')
+    expect_error(capsys, common[:-3] + ["--grammar", str(bad)], "bad.ebnf", "not a usable grammar")
+    expect_error(capsys, common[:-3] + ["--grammar", str(tmp_path / "none.ebnf")], "cannot read")

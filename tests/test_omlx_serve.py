@@ -45,9 +45,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve")
+def demo_models(root: Path) -> tuple[Path, Path, Path]:
+    """A patched tree and a base path serving the demo pair merged twice: ``demo-mtp`` (YAML
+    ``mtp_enabled: true``, depth 3) and ``demo-plain`` (no YAML).  Returns (tree, models, base)."""
     tree = patched_tree(root)
     base = root / "base"
     target, assistant, _ = demo_pair(root / "pair")
@@ -57,6 +57,13 @@ def server(tmp_path_factory):
     shutil.copytree(models / "demo-mtp", models / "demo-plain")
     (base / "model_settings").mkdir()
     (base / "model_settings" / "demo-mtp.yaml").write_text("mtp_enabled: true\nmtp_draft_tokens: 3\n")
+    return tree, models, base
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    tree, models, base = demo_models(root)
     shutil.copytree(models / "demo-mtp", models / "demo-bad")  # names a drafter that is not there
     (base / "model_settings" / "demo-bad.yaml").write_text(f"mtp_enabled: true\nmtp_drafter: {root / 'missing'}\n")
     with omlx_server(tree, models, base, root / "server.log") as (url, _):

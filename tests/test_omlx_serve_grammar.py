@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from omlx_mtp.cli import main
-from omlx_mtp.demo import demo_pair
 
-from .test_omlx_serve import SERVES, mtp_lines, omlx_server, patched_tree
+from .test_omlx_serve import SERVES, demo_models, mtp_lines, omlx_server
 
 httpx = pytest.importorskip("httpx")
 jsonschema = pytest.importorskip("jsonschema")
@@ -44,15 +41,7 @@ ROUNDS = re.compile(r"(\d+) tokens in (\d+) rounds, (\d+) of (\d+) drafts accept
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-grammar")
-    tree = patched_tree(root)
-    base = root / "base"
-    target, assistant, _ = demo_pair(root / "pair")
-    models = base / "models"
-    assert main(["quantize", str(target), str(models / "demo-mtp"), "--assistant", str(assistant),
-                 "--bits", "8", "--dtype", "float32"]) == 0
-    shutil.copytree(models / "demo-mtp", models / "demo-plain")
-    (base / "model_settings").mkdir()
-    (base / "model_settings" / "demo-mtp.yaml").write_text("mtp_enabled: true\nmtp_draft_tokens: 3\n")
+    tree, models, base = demo_models(root)
     with omlx_server(tree, models, base, root / "server.log") as (url, _):
         yield url, root / "server.log"
 

@@ -42,21 +42,28 @@ def with_image(text: str, seed: int) -> list:
     return [image_part(seed), {"type": "text", "text": text}]
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve-vlm")
+def vlm_models(root: Path) -> tuple[Path, Path, Path]:
+    """The demo target with a vision tower merged with its assistant, served twice from one base
+    path: ``demo-vlm-mtp`` (YAML ``mtp_enabled: true``) and ``demo-vlm-plain``.  (tree, models, base)."""
     target, assistant = demo_vlm(root / "pair")
     models = root / "models"
     assert main(["quantize", str(target), str(models / "demo-vlm-mtp"), "--assistant", str(assistant),
                  "--bits", "8", "--dtype", "float32"]) == 0
     shutil.copytree(models / "demo-vlm-mtp", models / "demo-vlm-plain")
-    shutil.copytree(models / "demo-vlm-mtp", models / "demo-vlm-bad")
-    other = write_assistant(root / "other-width", TinySpec(hidden_size=96))
     base = root / "base"
     (base / "model_settings").mkdir(parents=True)
     (base / "model_settings" / "demo-vlm-mtp.yaml").write_text("mtp_enabled: true\nmtp_draft_tokens: 3\n")
+    return patched_tree(root), models, base
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve-vlm")
+    tree, models, base = vlm_models(root)
+    shutil.copytree(models / "demo-vlm-mtp", models / "demo-vlm-bad")
+    other = write_assistant(root / "other-width", TinySpec(hidden_size=96))
     (base / "model_settings" / "demo-vlm-bad.yaml").write_text(f"mtp_enabled: true\nmtp_drafter: {other}\n")
-    return root, patched_tree(root), models, base
+    return root, tree, models, base
 
 
 @pytest.fixture(scope="module")

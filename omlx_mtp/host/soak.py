@@ -44,13 +44,16 @@ class Job:
     stop: list | None = None
     fault: str | None = None
     repeat_of: int | None = None
+    images: list = field(default_factory=list)  # image URLs (data: URLs work offline) before the text
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
     def body(self, model: str) -> dict:
-        body = {"model": model, "messages": [{"role": "user", "content": self.prompt}],
+        content = self.prompt if not self.images else [
+            *({"type": "image_url", "image_url": {"url": url}} for url in self.images), {"type": "text", "text": self.prompt}]
+        body = {"model": model, "messages": [{"role": "user", "content": content}],
                 "max_tokens": self.max_tokens, "temperature": self.temperature, "stream": self.stream,
                 **self.sampling, **self.extra}
         if self.stop:
@@ -85,9 +88,11 @@ def text_pool(length: int = 40_000) -> str:
     return out[:length]
 
 
-def plan(count: int = 320, seed: int = 0, chars_per_token: float = 2.5, faults: float = 0.08) -> list[Job]:
+def plan(count: int = 320, seed: int = 0, chars_per_token: float = 2.5, faults: float = 0.08,
+         images: list | None = None, image_share: float = 0.3) -> list[Job]:
     """``count`` requests; prompts are cut from ``text_pool`` at 10 to 4,000 tokens (estimated at
-    ``chars_per_token``); stop strings are a few characters of source text, likely to turn up."""
+    ``chars_per_token``); stop strings are a few characters of source text, likely to turn up.
+    With ``images`` (URLs), that share of the requests carries one of them (multimodal models)."""
     rng = random.Random(seed)
     pool = text_pool()
     jobs: list[Job] = []
@@ -117,7 +122,9 @@ def plan(count: int = 320, seed: int = 0, chars_per_token: float = 2.5, faults: 
         elif kind < 0.5 and jobs:
             earlier = rng.choice([j for j in jobs if j.greedy and not j.fault and j.repeat_of is None])
             job = Job(i, earlier.prompt, earlier.max_tokens, stream=earlier.stream, sampling=earlier.sampling,
-                      extra=earlier.extra, stop=earlier.stop, repeat_of=earlier.index)
+                      extra=earlier.extra, stop=earlier.stop, repeat_of=earlier.index, images=earlier.images)
+        if images and job.repeat_of is None and rng.random() < image_share:
+            job.images = [rng.choice(images)]
         if job.repeat_of is None and rng.random() < faults:
             job.fault = rng.choice([HANG_UP_MID_STREAM, HANG_UP_AFTER_FIRST, HANG_UP_BEFORE_ANSWER])
             job.stream = job.fault != HANG_UP_BEFORE_ANSWER

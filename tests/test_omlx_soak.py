@@ -84,6 +84,7 @@ def soak_report(url: str, pid: int, root, plain_model: str, mtp_model: str, jobs
     report["throughput_ratio"] = round(mtp.tokens_per_second / plain.tokens_per_second, 2)
     log = (root / "server.log").read_text()
     report["mtp_requests_logged"] = log.count("omlx-mtp: request uid")
+    report["host_restarts_logged"] = log.count("requests for re-prefill")
     report["regime"] = "CPU, " + ("OpenBLAS" if "openblas" in os.environ.get("LD_PRELOAD", "") else "bundled BLAS")
     print(json.dumps(report, indent=1))
     if os.environ.get("OMLX_SOAK_REPORT"):
@@ -95,6 +96,8 @@ def soak_report(url: str, pid: int, root, plain_model: str, mtp_model: str, jobs
 
 def assert_held(report: dict, requests: int) -> None:
     assert report["mtp"]["problems"] == [], report["mtp"]["problems"][:20]
+    if report["mtp"]["streams_restarted_by_host"]:  # only where oMLX logged that it restarted requests
+        assert report["host_restarts_logged"] > 0
     assert report["mtp"]["grammar_answers_outside_grammar"] == 0
     assert report["mtp"]["greedy_compared"] >= 0.7 * requests and report["mtp"]["faults_injected"] >= 0.03 * requests
     assert report["mtp_requests_logged"] >= 0.8 * requests  # the MTP model decoded with MTP

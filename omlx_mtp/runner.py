@@ -148,7 +148,6 @@ def run_plain(model, request: Request, seed=None, prefill_step: int = 512) -> Ou
     return Outcome(row, False, first - start, end - first)
 
 
-
 def _following_history(processor):
     """``processor`` for mlx-lm's ``generate_step``, which computes a token's successor before it
     yields the token: a processor that follows the output (``accept_token``: grammars) takes the

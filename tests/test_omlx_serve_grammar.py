@@ -7,12 +7,15 @@ requests' rounds must keep drafts (the log's tokens per round above one)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+
+from omlx_mtp.host import soak
 
 from .test_omlx_serve import SERVES, demo_models, mtp_lines, omlx_server
 
@@ -32,8 +35,7 @@ TOOL_CALL = {"type": "object", "additionalProperties": False, "required": ["name
 TOOLS = [{"type": "function", "function": {"name": name, "description": f"{name} at a path",
                                            "parameters": TOOL_CALL["properties"]["arguments"]}}
          for name in ("read_file", "list_dir")]
-COMPACT_FILE = ('root ::= "{\\"name\\": \\"" [a-z_]{1,12} "\\", \\"count\\": " [1-9] [0-9]{0,3} '
-                '", \\"kind\\": \\"" ("file" | "dir" | "link") "\\"}"')
+COMPACT_FILE = soak.GRAMMAR  # compact JSON for FILE's fields
 PROMPTS = ["Describe one file as JSON.", "import os\nimport sys\n", "def parse_args(argv):"]
 ROUNDS = re.compile(r"(\d+) tokens in (\d+) rounds, (\d+) of (\d+) drafts accepted")
 
@@ -67,19 +69,33 @@ def complete(url, model, content, stream=False, max_tokens=120, **extra):
     return text, finish, None
 
 
-def grammar_allows(kind: str, text: str) -> bool:
-    """``text`` is a prefix of what the request's grammar allows (compiled as oMLX compiles it)."""
+@functools.lru_cache(maxsize=1)
+def _compiler():
     import xgrammar as xgr
     from transformers import AutoTokenizer
 
     from omlx_mtp.demo import PAIR_DIR
 
-    info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(PAIR_DIR / "target"))
-    compiler = xgr.GrammarCompiler(info)
-    if kind == "structured_outputs":
-        compiled = compiler.compile_grammar(COMPACT_FILE)
+    tokenizer = AutoTokenizer.from_pretrained(PAIR_DIR / "target")
+    return xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer)), tokenizer.all_special_tokens
+
+
+def grammar_allows(request: dict, text: str) -> bool:
+    """``text`` is a prefix of what the request's ``structured_outputs`` or ``response_format``
+    allows (compiled as oMLX compiles it), a closing stop token aside (oMLX's VLM engine leaves
+    its text in)."""
+    import xgrammar as xgr
+
+    compiler, specials = _compiler()
+    for special in specials:
+        if special and text.endswith(special):
+            text = text[: -len(special)]
+    if "structured_outputs" in request:
+        options = request["structured_outputs"]
+        compiled = (compiler.compile_grammar(options["grammar"]) if "grammar" in options
+                    else compiler.compile_json_schema(json.dumps(options["json"])))
     else:
-        compiled = compiler.compile_json_schema(json.dumps(TOOL_CALL if kind == "tool_call" else FILE))
+        compiled = compiler.compile_json_schema(json.dumps(request["response_format"]["json_schema"]["schema"]))
     return xgr.GrammarMatcher(compiled).accept_string(text)
 
 
@@ -109,7 +125,7 @@ def test_constrained_mtp_equals_plain_and_drafts(server, kind):
             ours = complete(url, "demo-mtp", prompt, stream, **extra)
             assert ours[:2] == complete(url, "demo-plain", prompt, stream, **extra)[:2], (kind, prompt, stream)
             text, finish, _ = ours
-            assert grammar_allows(kind, text), text  # never a character the grammar forbids
+            assert grammar_allows(extra, text), text  # never a character the grammar forbids
             if finish == "stop":
                 finished += 1
                 jsonschema.validate(json.loads(text), TOOL_CALL if kind == "tool_call" else FILE)

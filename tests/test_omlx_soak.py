@@ -20,6 +20,7 @@ import pytest
 from omlx_mtp.host import soak
 
 from .test_omlx_serve import SERVES, demo_models, omlx_server
+from .test_omlx_serve_grammar import grammar_allows
 
 pytest.importorskip("xgrammar")
 pytestmark = SERVES + [pytest.mark.skipif(os.environ.get("OMLX_SOAK") != "1",
@@ -35,26 +36,6 @@ def server(tmp_path_factory):
         yield url, pid, root
 
 
-def grammar_allows(job: soak.Job, text: str) -> bool:
-    """``text`` is a prefix of what the job's grammar allows (compiled as oMLX compiles it), a
-    closing stop token aside."""
-    import xgrammar as xgr
-    from transformers import AutoTokenizer
-
-    from omlx_mtp.demo import PAIR_DIR
-
-    tokenizer = AutoTokenizer.from_pretrained(PAIR_DIR / "target")
-    for special in tokenizer.all_special_tokens:  # oMLX's VLM engine leaves the stop token's text in
-        if special and text.endswith(special):
-            text = text[: -len(special)]
-    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer))
-    if "structured_outputs" in job.extra:
-        compiled = compiler.compile_grammar(job.extra["structured_outputs"]["grammar"])
-    else:
-        compiled = compiler.compile_json_schema(json.dumps(job.extra["response_format"]["json_schema"]["schema"]))
-    return xgr.GrammarMatcher(compiled).accept_string(text)
-
-
 def soak_report(url: str, pid: int, root, plain_model: str, mtp_model: str, jobs: list) -> dict:
     """Both runs, the references and the figures (``mtp.problems`` empty when MTP held)."""
     for model in (plain_model, mtp_model):  # warm-up: loads, first traces
@@ -67,7 +48,7 @@ def soak_report(url: str, pid: int, root, plain_model: str, mtp_model: str, jobs
     # prefix cache is as warm as it was for the loaded runs.  Even so oMLX 0.3.8 without MTP
     # sometimes leaves the grammar (unpatched too): such an answer can't be the reference.
     alone = soak.one_at_a_time(url, plain_model, [j for j in jobs if j.extra])
-    broken = [i for i, r in alone.items() if not grammar_allows(jobs[i], r.text)]
+    broken = [i for i, r in alone.items() if not grammar_allows(jobs[i].extra, r.text)]
     expected = {r.index: r for r in plain.results if not jobs[r.index].extra} | {
         i: r for i, r in alone.items() if i not in broken}
     soak.dump(root / f"soak-{mtp_model}.json", jobs,
@@ -77,7 +58,7 @@ def soak_report(url: str, pid: int, root, plain_model: str, mtp_model: str, jobs
     grammar = [j for j in jobs if j.extra and j.fault is None]
     for name, run in (("mtp", mtp), ("plain", plain)):
         results = {r.index: r for r in run.results}
-        report[name]["grammar_answers_outside_grammar"] = sum(not grammar_allows(j, results[j.index].text)
+        report[name]["grammar_answers_outside_grammar"] = sum(not grammar_allows(j.extra, results[j.index].text)
                                                               for j in grammar)
     report["plain_one_at_a_time_outside_grammar"] = len(broken)
     report["image_requests"] = sum(bool(j.images) for j in jobs)

@@ -13,17 +13,17 @@ import json
 import mlx.core as mx
 import numpy as np
 
+from .processors import apply_bitmask
+
 
 class GrammarProcessor:
     """Masks logits [1, V] to the tokens the grammar allows next."""
 
     def __init__(self, compiled_grammar, vocab_size: int):
         import xgrammar as xgr
-        from xgrammar.kernels.apply_token_bitmask_mlx import apply_token_bitmask_mlx
 
         self.matcher = xgr.GrammarMatcher(compiled_grammar)
         self.vocab_size = vocab_size
-        self._apply = apply_token_bitmask_mlx
         self._bitmask = np.full((1, (vocab_size + 31) // 32), -1, dtype=np.int32)
 
     def __call__(self, tokens, logits: mx.array) -> mx.array:
@@ -31,11 +31,7 @@ class GrammarProcessor:
             return logits
         self._bitmask.fill(-1)
         self.matcher.fill_next_token_bitmask(self._bitmask)
-        masked = self._apply(mx.array(self._bitmask), logits, self.vocab_size)
-        if masked.shape[-1] < logits.shape[-1]:  # rows past the vocabulary (padded heads) stay out
-            pad = mx.full((*masked.shape[:-1], logits.shape[-1] - masked.shape[-1]), -mx.inf, dtype=masked.dtype)
-            masked = mx.concatenate([masked, pad], axis=-1)
-        return masked
+        return apply_bitmask(self._bitmask, logits)
 
     def accept_token(self, token: int) -> None:
         if not self.matcher.is_terminated():

@@ -10,8 +10,9 @@ Requests keep their own acceptance and depth (``draft_tokens: auto`` falls back 
 per request).  Grammars and oMLX's thinking budget draft like any request: their state follows
 the drafts through a verify and back (``decode.processors``).  A request whose sampling this loop
 cannot reproduce as a distribution (no ``sampling_params``, XTC) or whose logits processors keep
-state that can't be undone still runs here, one token per round, drawn by its own sampler.  A request whose cache cannot be
-read (another cache type) goes to the host's own plain ``BatchGenerator`` instead.
+state that can't be undone still runs here, one token per round, drawn by its own sampler.  A
+request whose cache cannot be read (another cache type) goes to the host's own plain
+``BatchGenerator`` instead.
 """
 
 from __future__ import annotations

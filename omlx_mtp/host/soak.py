@@ -77,11 +77,12 @@ class Result:
 
 def text_pool(length: int = 40_000) -> str:
     """Source text for prompts: Python's own standard library (what the demo pair was trained on)."""
-    import json as json_module
+    import json.decoder
+    import json.encoder
     import logging
 
     out = ""
-    for module in (json_module.decoder, json_module.encoder, logging, threading, urllib.parse, http.client):
+    for module in (json.decoder, json.encoder, logging, threading, urllib.parse, http.client):
         out += Path(module.__file__).read_text()
         if len(out) >= length:
             break

@@ -1,7 +1,9 @@
 """``omlx-mtp quantize``: a streaming quantizer that keeps MTP weights.
 
-Tensors are read lazily (``mx.load`` maps safetensors without reading them) and written one by
-one into bounded shards, so peak memory follows the largest tensor, not the model.  The trunk is
+Every output tensor's shard and offset is planned from the lazy graph first (nothing computed),
+then tensors are read from their files a few rows at a time, quantized on one mlx stream per core
+and written at their offsets by a writer thread, the three overlapping, so memory holds a few
+pieces of a few MB whatever the model or its largest tensor.  The trunk is
 quantized the way mlx-lm's own converter does it (same modules, same per-module predicate, same
 ``quantization`` config, so plain ``mlx_lm.load`` loads it); MTP tensors — found through the one
 registry in ``mtp_tensors`` — are kept, in ``--dtype`` or at ``--mtp-bits``.  A Gemma 4 assistant
@@ -13,20 +15,24 @@ the end; on any error or Ctrl-C nothing is left behind.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import queue
 import shutil
 import tempfile
+import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.utils import _get_classes
 
-from .checkpoint import load_weights, read_config, tensor_infos
+from .checkpoint import load_weights, read_config, safetensors_files, tensor_infos
 from .drafters.gemma4_assistant import check_config_fits, normalize_assistant_config
-from .errors import MTPError
+from .errors import CheckpointError, MTPError
 from .models import is_multimodal, target_config_overrides
 from .mtp_tensors import is_mtp_tensor, mtp_shard
 
@@ -61,67 +67,260 @@ _SAFETENSORS_DTYPES = {
     mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.int64: "I64", mx.int32: "I32", mx.int16: "I16",
     mx.int8: "I8", mx.uint64: "U64", mx.uint32: "U32", mx.uint16: "U16", mx.uint8: "U8", mx.bool_: "BOOL",
 }
+_MX_DTYPES = {code: dtype for dtype, code in _SAFETENSORS_DTYPES.items()}
+
+# Source bytes quantized as one piece of work.  Quantizing is row-wise (groups run along the last
+# axis), so a tensor cut into pieces of whole rows quantizes to exactly the same bytes; small
+# pieces keep memory flat whatever the largest tensor, and let pieces run on several cores.
+PIECE_BYTES = 8 << 20
 
 
-class _ShardWriter:
-    """Writes tensors straight into their shard file as they come, so memory holds one tensor at a
-    time.  The header is only known when the shard is full, so room for it is reserved up front
-    (``header_room``: an upper bound for every tensor still to come) and the JSON is padded with
-    spaces to fill it, as the safetensors format allows."""
+@dataclass(frozen=True)
+class _FileTensor:
+    """Where a source tensor's bytes lie in its safetensors file, so it can be read a few rows at
+    a time instead of whole."""
 
-    def __init__(self, directory: Path, budget: int, header_room: int, stem: str = "part"):
-        self.directory = directory
+    name: str
+    file: Path
+    start: int
+    dtype: mx.Dtype
+    shape: tuple[int, ...]
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def row_bytes(self) -> int:
+        count = 1
+        for d in self.shape[1:]:
+            count *= d
+        return count * self.dtype.size
+
+    def read_rows(self, handle, first: int, last: int) -> mx.array:
+        count = (last - first) * self.row_bytes
+        data = np.empty(count, np.uint8)
+        handle.seek(self.start + first * self.row_bytes)
+        done = 0
+        while done < count:
+            got = handle.readinto(memoryview(data)[done:])
+            if not got:
+                raise CheckpointError(f"{self.file}: truncated (tensor {self.name} runs past the end of the file)")
+            done += got
+        shape = (last - first, *self.shape[1:]) if self.shape else ()
+        return mx.array(data).view(self.dtype).reshape(shape)
+
+
+def _file_tensors(directory: Path) -> dict[str, _FileTensor]:
+    """name -> _FileTensor for every tensor of a checkpoint (headers already validated)."""
+    found = {}
+    for file in safetensors_files(directory):
+        with open(file, "rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(length))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                found[name] = _FileTensor(name, file, 8 + length + entry["data_offsets"][0],
+                                          _MX_DTYPES[entry["dtype"]], tuple(entry["shape"]))
+    return found
+
+
+@dataclass
+class _Slot:
+    """An output tensor's place: its shard and the file offset of its first byte."""
+
+    shard: "_Shard"
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class _Shard:
+    entries: dict = field(default_factory=dict)  # safetensors header entries, in file order
+    size: int = 0  # data bytes
+    filename: str = ""
+    fd: int | None = None
+
+
+class _ShardLayout:
+    """Decides which shard each output tensor goes to, and where, before anything is computed:
+    shapes and dtypes are known from the lazy graph, so each header is written first and the
+    pieces of a tensor can be written as they come, at their offsets.  Headers are padded with
+    spaces (as the safetensors format allows) to ``header_room``, the bound ``_header_room`` gives
+    for every shard, as the quantizer has always written them."""
+
+    def __init__(self, budget: int, header_room: int):
         self.budget = budget
         self.header_room = header_room + (-header_room % 8)
-        self.stem = stem
-        self.files: list[tuple[str, list[str]]] = []
-        self._file = None
-        self._entries: dict[str, dict] = {}
-        self._size = 0
+        self.shards: list[_Shard] = []
 
-    def add(self, name: str, array: mx.array):
+    def place(self, name: str, array: mx.array) -> _Slot:
         nbytes = int(array.nbytes)
-        if self._entries and self._size + nbytes > self.budget:
-            self.flush()
-        if self._file is None:
-            self._file = open(self.directory / f"{self.stem}-{len(self.files):05d}.safetensors", "wb")
-            self._file.seek(8 + self.header_room)
-        self._file.write(memoryview(mx.contiguous(array)))
-        self._entries[name] = {"dtype": _SAFETENSORS_DTYPES[array.dtype], "shape": list(array.shape),
-                               "data_offsets": [self._size, self._size + nbytes]}
-        self._size += nbytes
+        if not self.shards or (self.shards[-1].entries and self.shards[-1].size + nbytes > self.budget):
+            self.shards.append(_Shard())
+        shard = self.shards[-1]
+        shard.entries[name] = {"dtype": _SAFETENSORS_DTYPES[array.dtype], "shape": list(array.shape),
+                               "data_offsets": [shard.size, shard.size + nbytes]}
+        slot = _Slot(shard, 8 + self.header_room + shard.size, nbytes)
+        shard.size += nbytes
+        return slot
 
-    def flush(self, filename: str | None = None):
-        if not self._entries:
-            return
-        header = json.dumps({"__metadata__": {"format": "mlx"}, **self._entries}, separators=(",", ":")).encode()
+    def header(self, shard: _Shard) -> bytes:
+        header = json.dumps({"__metadata__": {"format": "mlx"}, **shard.entries}, separators=(",", ":")).encode()
         if len(header) > self.header_room:  # cannot happen with header_room from _header_room()
             raise RuntimeError("safetensors header larger than the room reserved for it")
-        self._file.seek(0)
-        self._file.write(self.header_room.to_bytes(8, "little"))
-        self._file.write(header + b" " * (self.header_room - len(header)))
-        self._file.close()
-        written = Path(self._file.name)
-        if filename is not None:
-            (self.directory / filename).parent.mkdir(parents=True, exist_ok=True)
-            os.rename(written, self.directory / filename)
-            written = self.directory / filename
-        self.files.append((str(written.relative_to(self.directory)), list(self._entries)))
-        self._file, self._entries, self._size = None, {}, 0
+        return self.header_room.to_bytes(8, "little") + header + b" " * (self.header_room - len(header))
 
-    def finish(self, mtp_files: list[tuple[str, list[str]]], index_mtp: bool) -> dict:
-        """Give the trunk shards mlx-lm's names and return the index's weight_map (with the MTP
-        files' tensors when ``index_mtp``)."""
-        self.flush()
-        weight_map = {}
-        for i, (old, names) in enumerate(self.files, start=1):
-            new = "model.safetensors" if len(self.files) == 1 else f"model-{i:05d}-of-{len(self.files):05d}.safetensors"
-            os.rename(self.directory / old, self.directory / new)
-            weight_map.update({n: new for n in names})
-        if index_mtp:
-            for f, names in mtp_files:
-                weight_map.update({n: f for n in names})
-        return weight_map
+    def open(self, directory: Path) -> None:
+        """Create every shard file at its full size with its header in place."""
+        for shard in self.shards:
+            path = directory / shard.filename
+            path.parent.mkdir(parents=True, exist_ok=True)
+            shard.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.ftruncate(shard.fd, 8 + self.header_room + shard.size)
+            _pwrite_all(shard.fd, self.header(shard), 0)
+
+    def close(self) -> None:
+        for shard in self.shards:
+            if shard.fd is not None:
+                os.close(shard.fd)
+                shard.fd = None
+
+
+def _name_trunk_shards(shards: list[_Shard]) -> None:
+    for i, shard in enumerate(shards, start=1):
+        shard.filename = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+
+
+def _pwrite_all(fd: int, data, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:  # one write may be short (Linux caps it near 2 GiB)
+        done = os.pwrite(fd, view, offset)
+        view, offset = view[done:], offset + done
+
+
+class _Writer:
+    """A thread that writes finished pieces to their shards while the next ones are quantized.
+    Its queue is bounded, so memory holds a few pieces.  An error is kept and raised in the
+    producer's thread, and the thread drains its queue to the end, so a producer never blocks on
+    a writer that has stopped."""
+
+    def __init__(self, depth: int):
+        self._queue: queue.Queue = queue.Queue(depth)
+        self._error: BaseException | None = None
+        self._cancelled = False
+        self._thread = threading.Thread(target=self._run, name="omlx-mtp-quantize-writer", daemon=True)
+        self._thread.start()
+
+    def put(self, fd: int, array: mx.array, offset: int) -> None:
+        self._raise_error()
+        self._queue.put((fd, array, offset))
+
+    def _run(self):
+        while (item := self._queue.get()) is not None:
+            if self._error is None and not self._cancelled:
+                try:
+                    _pwrite_all(*item)
+                except BaseException as exc:  # raised in the producer's thread
+                    self._error = exc
+            item = None  # the piece's memory is freed here, not at the next get
+
+    def _raise_error(self):
+        if isinstance(self._error, OSError):
+            raise MTPError(f"writing the quantized checkpoint failed: {self._error}") from self._error
+        if self._error is not None:
+            raise self._error
+
+    def finish(self) -> None:
+        """Wait for every piece to be written; raise the writer's error if it had one."""
+        self.stop()
+        self._raise_error()
+
+    def stop(self, cancel: bool = False) -> None:
+        self._cancelled = self._cancelled or cancel
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+
+@dataclass
+class _Job:
+    """One source tensor: where its data comes from (a file region, or a lazy array when mlx-lm or
+    mlx-vlm has transformed it), how to convert it, and where its outputs go."""
+
+    name: str
+    source: _FileTensor | mx.array
+    scheme: dict | None
+    slots: list[_Slot]
+    nbytes: int
+    rows_per_piece: int = 1
+
+
+@functools.cache
+def _compute_streams() -> tuple:
+    """Streams that quantize pieces side by side (each runs on its own thread); made once, since
+    mlx keeps a stream's thread for the life of the process."""
+    count = max(1, min(os.cpu_count() or 1, 4))
+    return tuple(mx.new_stream(mx.default_device()) for _ in range(count))
+
+
+def _pieces(jobs: deque):
+    """(job, first row, last row) in job order; a lazy array is one piece.  Jobs are taken off the
+    deque so that a finished job's data is freed."""
+    while jobs:
+        job = jobs.popleft()
+        if not isinstance(job.source, _FileTensor):
+            yield job, 0, None
+            continue
+        rows = job.source.rows
+        for first in range(0, rows, job.rows_per_piece):
+            yield job, first, min(rows, first + job.rows_per_piece)
+
+
+def _start_piece(job: _Job, first: int, last: int | None, handles: dict, dtype, stream):
+    """Read a piece and set its conversion running; returns what `_finish_piece` needs."""
+    if last is None:
+        array = job.source
+    else:
+        if job.source.file not in handles:
+            handles[job.source.file] = open(job.source.file, "rb", buffering=0)
+        array = job.source.read_rows(handles[job.source.file], first, last)
+    with mx.stream(stream):
+        parts = [mx.contiguous(value) for _, value in _convert(job.name, array, job.scheme, dtype)]
+    mx.async_eval(parts)
+    return job, first, last, parts
+
+
+def _finish_piece(started, writer: _Writer) -> int:
+    """Wait for a piece, hand its outputs to the writer; returns its source bytes."""
+    job, first, last, parts = started
+    mx.eval(parts)
+    rows = job.source.rows if last is not None else 1
+    for slot, part in zip(job.slots, parts):
+        writer.put(slot.shard.fd, part, slot.offset + first * (slot.nbytes // rows))
+    return job.nbytes if last is None else (last - first) * job.source.row_bytes
+
+
+def _convert_all(jobs: deque, dtype, bar) -> None:
+    """Read, quantize and write every job, overlapping the three: the main thread reads piece n
+    while the compute streams convert the pieces before it and the writer writes older ones."""
+    streams = _compute_streams()
+    depth = 2 * len(streams)
+    writer = _Writer(3 * depth)
+    handles: dict[Path, object] = {}
+    in_flight: deque = deque()
+    try:
+        for n, (job, first, last) in enumerate(_pieces(jobs)):
+            in_flight.append(_start_piece(job, first, last, handles, dtype, streams[n % len(streams)]))
+            if len(in_flight) > depth:
+                bar.update(_finish_piece(in_flight.popleft(), writer))
+        while in_flight:
+            bar.update(_finish_piece(in_flight.popleft(), writer))
+        writer.finish()
+    finally:
+        writer.stop(cancel=True)
+        for handle in handles.values():
+            handle.close()
 
 
 def _model_for(config: dict, where: str):
@@ -183,57 +382,34 @@ def quantize(src: str | Path, out: str | Path, options: QuantizeOptions, assista
         tensor_infos(assistant)
 
     dtype = getattr(mx, options.dtype)
-    lazy = load_weights(src)  # lazy: nothing is read until a tensor is evaluated
-    mtp = {k: v for k, v in lazy.items() if is_mtp_tensor(k, config)}
-    if is_multimodal(config):
-        model, trunk, predicate = _multimodal_trunk(src)
-    else:
-        model = _model_for(config, str(src / "config.json"))
-        trunk = {k: v for k, v in lazy.items() if k not in mtp}
-        if model is not None and hasattr(model, "sanitize"):
-            trunk = model.sanitize(trunk)
-        predicate = getattr(model, "quant_predicate", None)
-    modules = dict(model.named_modules()) if model is not None else {}
     default = options.scheme()
+    sources = _sources(src, config, options, default, assistant)
+    room = _header_room((name, array.shape) for name, array, *_ in sources)
+    trunk_layout, mtp_layout = _ShardLayout(options.shard_bytes, room), _ShardLayout(1 << 62, room)
+    jobs = _plan_jobs(sources, trunk_layout, mtp_layout, dtype)
+    _name_trunk_shards(trunk_layout.shards)
+    for shard in mtp_layout.shards:
+        shard.filename = mtp_shard(config)
     quant_config = dict(default)
-
-    jobs = deque()  # (output name, lazy array, scheme or None, is MTP)
-    for name, array in trunk.items():
-        jobs.append((name, array, _trunk_scheme(name, array, modules, predicate, default), False))
-    prefix = mtp_prefix(config)
-    for name, array in mtp.items():
-        jobs.append((name, array, _mtp_scheme(name, array, options, head=False), True))
-    if assistant is not None:
-        for name, array in _assistant_tensors(assistant).items():
-            head = name == "model.embed_tokens.weight"
-            jobs.append((prefix + name, array, _mtp_scheme(name, array, options, head=head), True))
-    # Only `jobs` may reference the lazy source arrays: each is dropped once written, so the
-    # evaluated data of finished tensors is freed and memory stays bounded.
-    del lazy, trunk, mtp, model, modules, predicate
+    for job in jobs:
+        if job.scheme is not None and job.scheme != default:
+            quant_config[job.name[: -len(".weight")]] = dict(job.scheme)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
-        room = _header_room(jobs)
-        writer = _ShardWriter(staging, options.shard_bytes, room)
-        mtp_writer = _ShardWriter(staging, 1 << 62, room, stem="mtp")
-        total = sum(int(a.nbytes) for _, a, _, _ in jobs)
-        count = len(jobs)
-        with tqdm(total=total, unit="B", unit_scale=True, desc="quantize", disable=not progress) as bar:
-            while jobs:
-                name, array, scheme, is_mtp = jobs.popleft()
-                size = int(array.nbytes)
-                target = mtp_writer if is_mtp else writer
-                for out_name, value in _convert(name, array, scheme, dtype):
-                    mx.eval(value)
-                    target.add(out_name, value)
-                del array
-                if scheme is not None and scheme != default:
-                    quant_config[name[: -len(".weight")]] = dict(scheme)
-                bar.update(size)
-                bar.set_postfix_str(f"{count - len(jobs)}/{count} tensors")
-        mtp_writer.flush(mtp_shard(config))
-        weight_map = writer.finish(mtp_writer.files, index_mtp=not is_multimodal(config))
+        total = sum(job.nbytes for job in jobs)
+        try:
+            trunk_layout.open(staging)
+            mtp_layout.open(staging)
+            with tqdm(total=total, unit="B", unit_scale=True, desc="quantize", disable=not progress) as bar:
+                _convert_all(jobs, dtype, bar)
+        finally:
+            trunk_layout.close()
+            mtp_layout.close()
+        weight_map = {n: shard.filename for shard in trunk_layout.shards for n in shard.entries}
+        if not is_multimodal(config):  # mlx-vlm refuses an index naming tensors its model lacks
+            weight_map.update({n: shard.filename for shard in mtp_layout.shards for n in shard.entries})
         (staging / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": sum((staging / f).stat().st_size for f in set(weight_map.values()))},
                         "weight_map": dict(sorted(weight_map.items()))}, indent=2)
@@ -258,12 +434,69 @@ def quantize(src: str | Path, out: str | Path, options: QuantizeOptions, assista
     return out
 
 
-def _header_room(jobs) -> int:
-    """An upper bound on the header of a shard holding every job's outputs (weight, scales, biases)."""
+def _sources(src: Path, config: dict, options: QuantizeOptions, default: dict, assistant: Path | None) -> deque:
+    """Every tensor to write, in order: (output name, lazy array, scheme or None, is MTP, its file
+    region or None).  A trunk tensor that mlx-lm's sanitize (or mlx-vlm) hands back unchanged is
+    found in its file by identity; a transformed one has no region and is read whole."""
+    lazy = load_weights(src)  # lazy: nothing is read until a tensor is evaluated
+    mtp = {k: v for k, v in lazy.items() if is_mtp_tensor(k, config)}
+    if is_multimodal(config):
+        model, trunk, predicate = _multimodal_trunk(src)
+    else:
+        model = _model_for(config, str(src / "config.json"))
+        trunk = {k: v for k, v in lazy.items() if k not in mtp}
+        if model is not None and hasattr(model, "sanitize"):
+            trunk = model.sanitize(trunk)
+        predicate = getattr(model, "quant_predicate", None)
+    modules = dict(model.named_modules()) if model is not None else {}
+    files = _file_tensors(src)
+    in_file = {id(array): files[name] for name, array in lazy.items()}  # `lazy` keeps these ids alive
+
+    sources = deque()
+    for name, array in trunk.items():
+        sources.append((name, array, _trunk_scheme(name, array, modules, predicate, default), False,
+                        in_file.get(id(array))))
+    for name, array in mtp.items():
+        sources.append((name, array, _mtp_scheme(name, array, options, head=False), True, in_file[id(array)]))
+    if assistant is not None:
+        prefix = mtp_prefix(config)
+        assistant_files = _file_tensors(assistant)
+        for name, array in _assistant_tensors(assistant).items():
+            head = name == "model.embed_tokens.weight"
+            sources.append((prefix + name, array, _mtp_scheme(name, array, options, head=head), True,
+                            assistant_files[name]))
+    return sources
+
+
+def _plan_jobs(sources: deque, trunk_layout: "_ShardLayout", mtp_layout: "_ShardLayout", dtype) -> deque:
+    """Sources -> jobs, emptying `sources` so that only the jobs reference lazy arrays: each is
+    dropped once written, so the evaluated data of finished tensors is freed."""
+    jobs = deque()
+    while sources:
+        name, array, scheme, is_mtp, region = sources.popleft()
+        jobs.append(_plan(name, array, scheme, region, mtp_layout if is_mtp else trunk_layout, dtype))
+    return jobs
+
+
+def _plan(name: str, array: mx.array, scheme, region: _FileTensor | None, layout: _ShardLayout, dtype) -> _Job:
+    """Place a tensor's outputs (from the lazy graph: nothing is computed) and decide how it is read:
+    a few rows at a time from its file when it is a plain source tensor and every output keeps its
+    rows, else whole from the lazy array."""
+    outputs = list(_convert(name, array, scheme, dtype))
+    slots = [layout.place(out_name, value) for out_name, value in outputs]
+    if region is None:
+        return _Job(name, array, scheme, slots, int(array.nbytes))
+    keeps_rows = all(value.ndim and value.shape[0] == region.rows for _, value in outputs)
+    step = max(1, PIECE_BYTES // max(1, region.row_bytes)) if keeps_rows else region.rows
+    return _Job(name, region, scheme, slots, int(array.nbytes), step)
+
+
+def _header_room(shapes) -> int:
+    """An upper bound on the header of a shard holding every tensor's outputs (weight, scales, biases)."""
     per_entry = len('"":{"dtype":"BF16","shape":[],"data_offsets":[,]},') + 2 * 20
     room = 256
-    for name, array, _, _ in jobs:
-        shape = len(",".join(str(d) for d in array.shape)) + 24
+    for name, shape in shapes:
+        shape = len(",".join(str(d) for d in shape)) + 24
         room += 3 * (len(name) + len(".scales") + per_entry + shape)
     return room
 

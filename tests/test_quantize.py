@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 import shutil
 import struct
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -216,6 +219,65 @@ def test_interrupt_leaves_nothing(gemma_pair, tmp_path, monkeypatch):
     assert main(["quantize", str(gemma_pair[0]), str(tmp_path / "out"), "--group-size", "32"]) == 130
     assert not (tmp_path / "out").exists()
     assert not list(tmp_path.glob(".out.partial-*"))
+
+
+@pytest.mark.parametrize("mode, shard_bytes", [("affine", 5 << 30), ("mxfp4", 20_000)])
+def test_pieces_of_a_few_rows_write_the_same_bytes(gemma_pair, tmp_path, monkeypatch, mode, shard_bytes):
+    from omlx_mtp import quantize as quantize_module
+
+    target, assistant = gemma_pair
+    options = quantize_module.QuantizeOptions(mode=mode, group_size=32, mtp_bits=8, shard_bytes=shard_bytes)
+    whole = quantize_module.quantize(target, tmp_path / "whole", options, assistant=assistant, progress=False)
+    monkeypatch.setattr(quantize_module, "PIECE_BYTES", 1)  # one row per piece, many pieces in flight
+    rows = quantize_module.quantize(target, tmp_path / "rows", options, assistant=assistant, progress=False)
+    assert digest(rows) == digest(whole)
+
+
+def writer_threads():
+    return [t for t in threading.enumerate() if t.name == "omlx-mtp-quantize-writer"]
+
+
+@pytest.mark.parametrize("failure, code, needle", [
+    ("source truncated", 2, "truncated (tensor"),
+    ("disk full", 2, "writing the quantized checkpoint failed"),
+    ("interrupt", 130, "interrupted; nothing was written"),
+])
+def test_failure_late_in_the_pipeline_leaves_nothing(gemma_pair, tmp_path, capsys, monkeypatch, failure, code,
+                                                     needle):
+    """A failure while pieces are being read, quantized and written (here after most of them):
+    a clear error, no output, no staging directory, no writer thread left running."""
+    from omlx_mtp import quantize as quantize_module
+
+    src = corrupt_copy(gemma_pair[0], tmp_path, "src")
+    before = digest(src)
+    monkeypatch.setattr(quantize_module, "PIECE_BYTES", 512)  # ~1800 pieces
+    calls = {"read": 0, "write": 0}
+    read, write = quantize_module._FileTensor.read_rows, quantize_module._pwrite_all
+
+    def reading(self, handle, first, last):
+        calls["read"] += 1
+        if calls["read"] == 1500 and failure == "source truncated":
+            os.truncate(self.file, self.start)  # the file shrinks under the quantizer
+        if calls["read"] == 1500 and failure == "interrupt":
+            raise KeyboardInterrupt
+        return read(self, handle, first, last)
+
+    def writing(fd, data, offset):
+        if threading.current_thread() in writer_threads():
+            calls["write"] += 1
+            if calls["write"] == 4000 and failure == "disk full":
+                raise OSError(errno.ENOSPC, "No space left on device")
+        write(fd, data, offset)
+
+    monkeypatch.setattr(quantize_module._FileTensor, "read_rows", reading)
+    monkeypatch.setattr(quantize_module, "_pwrite_all", writing)
+    got, _, err = run(capsys, "quantize", src, tmp_path / "out", "--group-size", "32")
+    assert got == code and needle in err and "Traceback" not in err, err
+    assert calls["read"] > 1000 and calls["write"] > 1000  # it failed mid-pipeline, not before
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))
+    assert writer_threads() == []
+    if failure != "source truncated":
+        assert digest(src) == before
 
 
 def test_inspect_broken_checkpoint(gemma_pair, tmp_path, capsys):

@@ -1,16 +1,22 @@
-"""Peak memory and wall time of `omlx-mtp quantize` beside `mlx_lm.convert -q`, at two model sizes.
+"""Wall time and peak memory of `omlx-mtp quantize` beside `mlx_lm.convert -q`, on synthetic checkpoints.
 
-Builds synthetic float16 Gemma-4-text checkpoints (random weights, HF names, one shard per ~1 GB),
-then runs both quantizers as child processes under /usr/bin/time and prints wall time, peak RSS,
-the ratios, and the largest tensor (our bound is 3x the largest tensor + 500 MB).
+Builds synthetic Gemma-4-text checkpoints (random weights, HF names): float16 ones of the given
+sizes (one shard per ~1 GB) and, with --bf16-gb, a bfloat16 one cut into --shard-mb shards.  Both
+quantizers run as child processes under /usr/bin/time, --repeats times each, alternating which
+goes first; before every run the source is read in full (so both read an already-cached file) and
+dirty pages are synced (so no run pays for the previous one's writeback).  Prints every run, the
+medians and the two ratios (ours / mlx_lm.convert), and the load average, since other work on the
+machine skews timings.
 
-    python benchmarks/quantize_memory.py [--sizes 1,2] [--work DIR]
+    python benchmarks/quantize_memory.py [--sizes 1,3] [--bf16-gb 2 --shard-mb 512] [--repeats 3] [--work DIR]
 """
 
 import argparse
 import json
+import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -21,8 +27,11 @@ import numpy as np
 
 from omlx_mtp.fixtures.tiny import write_tokenizer
 
+HIDDEN = 2048
 
-def synthetic_checkpoint(directory: Path, layers: int, hidden: int = 2048, vocab: int = 32768) -> int:
+
+def synthetic_checkpoint(directory: Path, layers: int, hidden: int = HIDDEN, vocab: int = 32768,
+                         dtype: str = "float16", shard_bytes: int = 1 << 30) -> int:
     """Returns the largest tensor's size in bytes."""
     directory.mkdir(parents=True)
     config = {
@@ -33,7 +42,7 @@ def synthetic_checkpoint(directory: Path, layers: int, hidden: int = 2048, vocab
         "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * (layers // 6) +
                        ["sliding_attention"] * (layers % 6 - 1) + ["full_attention"] if layers % 6 else
                        (["sliding_attention"] * 5 + ["full_attention"]) * (layers // 6),
-        "tie_word_embeddings": True, "torch_dtype": "float16",
+        "tie_word_embeddings": True, "torch_dtype": dtype,
     }
     rng = np.random.default_rng(0)
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
@@ -51,19 +60,19 @@ def synthetic_checkpoint(directory: Path, layers: int, hidden: int = 2048, vocab
         for n, shape in (("gate_proj", (4 * hidden, hidden)), ("up_proj", (4 * hidden, hidden)),
                          ("down_proj", (hidden, 4 * hidden))):
             shapes[p + "mlp." + n + ".weight"] = shape
-    shard, shard_bytes, index, largest = {}, 0, {}, 0
+    shard, shard_size, index, largest = {}, 0, {}, 0
     def flush():
-        nonlocal shard, shard_bytes
+        nonlocal shard, shard_size
         name = f"model-{len(set(index.values())) + 1:05d}.safetensors"
         mx.save_safetensors(str(directory / name), shard)
         index.update({k: name for k in shard})
-        shard, shard_bytes = {}, 0
+        shard, shard_size = {}, 0
     for name, shape in shapes.items():
-        value = mx.array(rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(mx.float16)
+        value = mx.array(rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(getattr(mx, dtype))
         shard[name] = value
-        shard_bytes += value.nbytes
+        shard_size += value.nbytes
         largest = max(largest, value.nbytes)
-        if shard_bytes > 1 << 30:
+        if shard_size > shard_bytes:
             flush()
     if shard:
         flush()
@@ -73,7 +82,21 @@ def synthetic_checkpoint(directory: Path, layers: int, hidden: int = 2048, vocab
     return largest
 
 
+def layers_for(gigabytes: float) -> int:
+    per_layer = 2 * (12 * HIDDEN * HIDDEN + 2 * HIDDEN * 256 * 10)  # bytes of a 2-byte layer, roughly
+    return max(1, round(gigabytes * (1 << 30) / per_layer))
+
+
+def warm_page_cache(directory: Path) -> None:
+    """Read every file of the checkpoint, so each quantizer starts from the same cached source."""
+    for file in directory.iterdir():
+        with open(file, "rb") as handle:
+            while handle.read(64 << 20):
+                pass
+
+
 def measure(command) -> tuple[float, float]:
+    """(wall seconds, peak RSS in MB) of one child process."""
     proc = subprocess.run(["/usr/bin/time", "-v", *command], capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(proc.stderr[-2000:])
@@ -84,26 +107,65 @@ def measure(command) -> tuple[float, float]:
     return seconds, rss
 
 
+def quantizers(src: Path, work: Path) -> dict:
+    exe = Path(sys.executable).parent
+    return {
+        "ours": (work / "out-ours", [str(exe / "omlx-mtp"), "quantize", str(src), str(work / "out-ours"),
+                                     "--bits", "4"]),
+        "convert": (work / "out-convert", [str(exe / "python"), "-m", "mlx_lm", "convert", "--hf-path", str(src),
+                                           "--mlx-path", str(work / "out-convert"), "-q", "--q-bits", "4"]),
+    }
+
+
+def compare(src: Path, work: Path, repeats: int) -> dict:
+    """Run both quantizers `repeats` times, alternating which goes first; name -> [(wall, peak)]."""
+    runs = {"ours": [], "convert": []}
+    commands = quantizers(src, work)
+    for r in range(repeats):
+        for name in (("ours", "convert") if r % 2 == 0 else ("convert", "ours")):
+            out, command = commands[name]
+            shutil.rmtree(out, ignore_errors=True)
+            os.sync()
+            warm_page_cache(src)
+            runs[name].append(measure(command))
+            shutil.rmtree(out, ignore_errors=True)
+    return runs
+
+
+def report(label: str, src: Path, largest: int, runs: dict, load: tuple) -> None:
+    files = list(src.glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in files) / (1 << 30)
+    medians = {name: (statistics.median(w for w, _ in r), statistics.median(p for _, p in r)) for name, r in runs.items()}
+    ours, theirs = medians["ours"], medians["convert"]
+    print(f"{label}: {size:.2f} GB in {len(files)} shard(s), largest tensor {largest / 2**20:.0f} MB; "
+          f"load average {load[0]:.2f} before, {os.getloadavg()[0]:.2f} after ({os.cpu_count()} cores)")
+    for name, r in runs.items():
+        print(f"  {name:8s} wall s " + " ".join(f"{w:6.2f}" for w, _ in r) + f"  median {medians[name][0]:6.2f} | "
+              f"peak MB " + " ".join(f"{p:6.0f}" for _, p in r) + f"  median {medians[name][1]:6.0f}")
+    print(f"  ratio ours/convert: wall {ours[0] / theirs[0]:.2f}  peak {ours[1] / theirs[1]:.2f}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sizes", default="1,2", help="approximate checkpoint sizes in GB")
+    parser.add_argument("--sizes", default="1,3", help="float16 checkpoint sizes in GB (1 GB shards); '' for none")
+    parser.add_argument("--bf16-gb", type=float, default=2.0, help="size of the multi-shard bfloat16 checkpoint; 0: none")
+    parser.add_argument("--shard-mb", type=int, default=512, help="shard size of the bfloat16 checkpoint")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--work", default=None)
     args = parser.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="qbench-"))
-    exe = Path(sys.executable).parent
-    print("size_gb  largest_mb | ours: wall_s  peak_mb | mlx_lm.convert: wall_s  peak_mb | wall ratio  peak ratio")
-    for size in [float(s) for s in args.sizes.split(",")]:
-        layers = max(1, round(size * (1 << 30) / (2 * (12 * 2048 * 2048 + 2 * 2048 * 256 * 10))))
-        src = work / f"src-{size}"
-        largest = synthetic_checkpoint(src, layers)
-        total = sum(f.stat().st_size for f in src.glob("*.safetensors")) / (1 << 30)
-        ours = measure([str(exe / "omlx-mtp"), "quantize", str(src), str(work / f"ours-{size}"), "--bits", "4"])
-        theirs = measure([str(exe / "python"), "-m", "mlx_lm", "convert", "--hf-path", str(src),
-                          "--mlx-path", str(work / f"convert-{size}"), "-q", "--q-bits", "4"])
-        print(f"{total:7.2f}  {largest / 2**20:10.0f} | {ours[0]:11.1f} {ours[1]:8.0f} | {theirs[0]:21.1f} "
-              f"{theirs[1]:8.0f} | {ours[0] / theirs[0]:10.2f} {ours[1] / theirs[1]:11.2f}")
-        for d in (src, work / f"ours-{size}", work / f"convert-{size}"):
-            shutil.rmtree(d, ignore_errors=True)
+    checkpoints = [(f"float16 {s} GB", float(s), "float16", 1 << 30) for s in args.sizes.split(",") if s]
+    if args.bf16_gb:
+        checkpoints.append((f"bfloat16 {args.bf16_gb:g} GB", args.bf16_gb, "bfloat16", args.shard_mb << 20))
+    print(f"each quantizer {args.repeats}x, alternating which goes first; page cache: warm for both "
+          "(the source is read in full before every run), dirty pages synced before every run")
+    for label, gigabytes, dtype, shard_bytes in checkpoints:
+        src = work / "src"
+        shutil.rmtree(src, ignore_errors=True)
+        largest = synthetic_checkpoint(src, layers_for(gigabytes), dtype=dtype, shard_bytes=shard_bytes)
+        load = os.getloadavg()
+        report(label, src, largest, compare(src, work, args.repeats), load)
+        shutil.rmtree(src, ignore_errors=True)
 
 
 if __name__ == "__main__":

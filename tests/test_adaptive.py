@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 
 from omlx_mtp.decode.adaptive import DepthController
@@ -12,42 +15,124 @@ from omlx_mtp.runner import run_plain
 from .conftest import prompts
 
 
-def feed(controller, acceptance: float, base: float = 1.0, per_draft: float = 0.3, rounds: int = 60):
-    """Simulate rounds whose drafts are accepted at a fixed rate and whose cost is linear in k."""
-    chosen = []
-    for i in range(rounds):
-        k = controller.choose()
-        chosen.append(k)
-        accepted = [min(k, int(acceptance * (k + 1)))] if k else []
-        controller.observe(k, accepted, base + per_draft * k)
-    return chosen
+def simulate(controller, acceptance, plain: float = 1.0, round_cost=lambda k: 1.2 + 0.2 * k, tokens: int = 2000,
+             seed: int = 0, noise: float = 0.0, stall: float = 0.0, stretch: int = 8):
+    """Decode ``tokens`` tokens the way the loop drives its controller, on a synthetic clock: a plain
+    step costs ``plain`` (the loop's pipelined stretch of up to ``stretch`` steps, which a controller
+    ends early by asking for a depth), a round of k drafts ``round_cost(k)``, each draft accepted with
+    probability ``acceptance`` (a float, or a function of the drafting round's index).  ``noise``:
+    log-normal jitter of drafting rounds; ``stall``: the chance a round takes five times as long.
+    Returns (tokens per second, the depth of every round and plain step)."""
+    rng = random.Random(seed)
+    clock, emitted, pending, chosen, drafting = 0.0, 0, None, [], 0
+    while emitted < tokens:
+        k = pending if pending is not None else controller.choose()
+        pending = None
+        if k == 0:
+            steps = 1
+            while steps < stretch and not (pending := controller.choose() or None):
+                steps += 1
+            for _ in range(steps):
+                controller.observe(0, [0], plain)
+            clock, emitted, chosen = clock + plain * steps, emitted + steps, chosen + [0] * steps
+            continue
+        a = acceptance(drafting) if callable(acceptance) else acceptance
+        n = 0
+        while n < k and rng.random() < a:
+            n += 1
+        seconds = round_cost(k) * math.exp(rng.gauss(0, noise)) * (5 if rng.random() < stall else 1)
+        controller.observe(k, [n], seconds)
+        clock, emitted, chosen, drafting = clock + seconds, emitted + n + 1, chosen + [k], drafting + 1
+    return emitted / clock, chosen
+
+
+def best_fixed_rate(acceptance: float, plain: float, round_cost, max_depth: int) -> float:
+    """Tokens per second of the best fixed depth (plain included), from the cost model itself."""
+    rates = [1 / plain] + [sum(acceptance**i for i in range(k + 1)) / round_cost(k) for k in range(1, max_depth + 1)]
+    return max(rates)
+
+
+# A drafting round costs more than a pipelined plain step even with no drafts (host syncs, a verify
+# of two positions): a line through drafting rounds meets k = 0 above the plain step.
+LOSING = {
+    "acceptance-limited": dict(acceptance=0.6, round_cost=lambda k: 1.5 + 0.4 * k, max_depth=8),
+    "verify-limited": dict(acceptance=0.9, round_cost=lambda k: 2.5 + 0.6 * k, max_depth=4),  # perfect drafts lose too
+}
+WINNING = {
+    "cheap drafts": dict(acceptance=0.8, round_cost=lambda k: 1.1 + 0.1 * k, max_depth=8),
+    "a marginal gain": dict(acceptance=0.75, round_cost=lambda k: 1.2 + 0.25 * k, max_depth=8),
+}
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.2], ids=["steady", "noisy"])
+@pytest.mark.parametrize("case", LOSING)
+def test_drafting_that_loses_steps_aside(case, noise):
+    """Where no depth beats plain steps, auto keeps at least 97% of plain's speed."""
+    c = LOSING[case]
+    assert best_fixed_rate(c["acceptance"], 1.0, c["round_cost"], c["max_depth"]) == 1.0  # plain is best
+    speed, chosen = simulate(DepthController(max_depth=c["max_depth"]), c["acceptance"], 1.0, c["round_cost"],
+                             noise=noise, stall=0.02 if noise else 0.0)
+    assert speed >= 0.97 and sum(k > 0 for k in chosen) < 0.03 * len(chosen)
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.2], ids=["steady", "noisy"])
+@pytest.mark.parametrize("case", WINNING)
+def test_drafting_that_wins_keeps_most_of_the_best_depth(case, noise):
+    c = WINNING[case]
+    best = best_fixed_rate(c["acceptance"], 1.0, c["round_cost"], c["max_depth"])
+    cost = c["round_cost"]
+    if noise:  # the best depth's rate under the same noise: jitter and stalls raise a round's mean cost
+        mean = math.exp(noise**2 / 2) * (1 + 4 * 0.02)
+        best = best_fixed_rate(c["acceptance"], 1.0, lambda k: mean * cost(k), c["max_depth"])
+    speed, chosen = simulate(DepthController(max_depth=c["max_depth"]), c["acceptance"], 1.0, cost,
+                             noise=noise, stall=0.02 if noise else 0.0)
+    assert best > 1.2 and speed >= (0.9 if noise else 0.95) * best  # jitter of 20% a round blurs the line
+
+
+def test_plain_steps_are_measured_first_and_again_later():
+    controller = DepthController(max_depth=4, plain_steps=4, refresh_every=20)
+    _, chosen = simulate(controller, 0.9, 1.0, lambda k: 1.1 + 0.1 * k, tokens=400)
+    assert chosen[:4] == [0] * 4 and chosen[4] > 0  # measured, then drafting
+    drafting = [i for i, k in enumerate(chosen) if k > 0]
+    refreshes = [i for i in drafting[:-1] if chosen[i + 1] == 0]
+    assert len(refreshes) >= 3  # plain steps come back while drafting wins...
+    for i in refreshes:
+        assert chosen[i + 1 : i + 5] == [0] * 4 and chosen[i + 5] > 0  # ... four at a time
+
+
+def test_a_first_stretch_that_compiled_is_measured_again():
+    controller = DepthController(max_depth=4, plain_steps=2)
+    assert [controller.choose() for _ in range(2)] == [0, 0]
+    controller.observe(0, [0], None)  # that stretch traced its graph: not timed
+    assert [controller.choose() for _ in range(2)] == [0, 0]
+    controller.observe(0, [0], 0.01)
+    assert controller.choose() == controller.start_depth
 
 
 def test_high_acceptance_and_cheap_drafts_go_deep():
-    chosen = feed(DepthController(max_depth=6), acceptance=0.95, per_draft=0.1)
+    _, chosen = simulate(DepthController(max_depth=6), 0.95, 1.0, lambda k: 1.0 + 0.1 * k, tokens=300)
     assert min(chosen[-20:]) >= 4
 
 
 def test_useless_drafts_fall_back_to_plain_and_reprobe():
-    controller = DepthController(max_depth=6, probe_every=8)
-    chosen = feed(controller, acceptance=0.0, per_draft=0.4, rounds=80)
-    tail = chosen[-40:]
-    assert tail.count(0) >= 30  # plain decoding most of the time
+    _, chosen = simulate(DepthController(max_depth=6, probe_every=8), 0.0, 1.0, lambda k: 1.0 + 0.4 * k, tokens=300)
+    tail = chosen[-100:]
+    assert tail.count(0) >= 90  # plain decoding most of the time
     assert any(k > 0 for k in tail)  # but it keeps probing
 
 
 def test_one_rejected_first_round_does_not_send_a_good_drafter_away():
-    controller = DepthController(max_depth=4, probe_every=16)
-    k = controller.choose()
-    controller.observe(k, [0], 1.0 + 0.3 * k)  # unlucky start
-    chosen = feed(controller, acceptance=0.9, per_draft=0.3, rounds=30)
-    assert chosen[:16].count(0) <= 2 and min(chosen[-10:]) >= 2
+    _, chosen = simulate(DepthController(max_depth=4, probe_every=16), lambda i: 0.0 if i == 0 else 0.9,
+                         1.0, lambda k: 1.0 + 0.3 * k, tokens=120)
+    drafting = [i for i, k in enumerate(chosen) if k > 0]
+    after_first = chosen[drafting[0] + 1 : drafting[0] + 17]
+    assert after_first.count(0) <= 2 and min(chosen[-10:]) >= 2
 
 
 def test_rejected_probes_back_off_and_an_accepted_one_opens_a_trial():
     controller = DepthController(max_depth=1, probe_every=4, max_probe_every=64, trial_rounds=3)
-    controller.times = {0: 1.0, 1: 2.0}  # a draft round costs two plain ones
-    for _ in range(10):  # and drafts have been rejected: plain wins
+    controller.costs.times.update({0: 1.0, 1: 1.2})  # good drafts would win (2 tokens for 1.2)
+    for _ in range(10):  # but drafts have been rejected: plain wins
         controller.observe(1, [0], None)
     waits = []
     for _ in range(2):  # rejected probes: each doubles the wait before the next
@@ -67,10 +152,34 @@ def test_rejected_probes_back_off_and_an_accepted_one_opens_a_trial():
     assert controller.choose() == 0  # and plain decoding wins again
 
 
+def test_where_perfect_drafts_lose_probes_wait_longest_and_open_no_trial():
+    controller = DepthController(max_depth=1, probe_every=4, max_probe_every=64, trial_rounds=3)
+    controller.costs.times.update({0: 1.0, 1: 2.5})  # even two tokens a round lose to plain steps
+    plain = 0
+    while (k := controller.choose()) == 0:
+        plain += 1
+    assert plain == 63  # no short waits: the probe only keeps the costs fresh
+    controller.observe(k, [1], None)  # accepted, yet no trial follows
+    assert controller.choose() == 0
+
+
 def test_min_acceptance_forces_plain():
-    controller = DepthController(max_depth=4, min_acceptance=0.9, probe_every=1000)
-    chosen = feed(controller, acceptance=0.5, per_draft=0.01, rounds=40)
+    _, chosen = simulate(DepthController(max_depth=4, min_acceptance=0.9, probe_every=1000), 0.5, 1.0,
+                         lambda k: 1.0 + 0.01 * k, tokens=200)
     assert chosen[-10:] == [0] * 10
+
+
+def test_round_costs_are_shared_by_the_requests_of_a_batch_size(pair_31b):
+    decoder = SpeculativeDecoder(pair_31b.target, pair_31b.drafter, draft_tokens="auto", max_draft_tokens=3)
+    batch = prompts(2, pair_31b.spec.vocab_size, seed=4)
+    first = decoder.batch().new_row(Request(batch[0], max_tokens=8))
+    second = decoder.batch().new_row(Request(batch[1], max_tokens=8))
+    assert first.controller.costs is second.controller.costs is decoder.round_costs(1, 3)
+    assert decoder.round_costs(2, 3) is not first.controller.costs
+    decoder.generate([Request(batch[0], max_tokens=24)])
+    assert decoder.round_costs(1, 3).plain is not None  # measured by the first request
+    third = decoder.batch().new_row(Request(batch[1], max_tokens=8))
+    assert third.controller.choose() > 0  # a later request drafts from its first round
 
 
 @pytest.fixture

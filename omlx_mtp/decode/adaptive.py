@@ -3,25 +3,100 @@
 With s_i the chance that draft i is accepted once drafts 1..i-1 were, a round of k drafts emits
 E(k) = 1 + sum over i <= k of s_1 ... s_i tokens on average (acceptance is bursty: after an accepted
 draft the next is likelier to be, so one rate for all positions would undercount deep rounds), and
-costs t(k) seconds (drafting plus one verify of k+1 positions, host work included).
-The controller picks the k in 0..max_depth with the most tokens per second, E(k) / t(k); k = 0 is
-plain decoding.  The s_i are decayed counts, each position leaning on the one before it while it has
-few trials; t(k) for drafting rounds comes from a line fitted to recent rounds of all depths (one
-noisy round then moves every estimate a little instead of one estimate a lot), t(0) from plain steps.  Every ``explore_every`` drafting rounds one goes a draft deeper than the best, so deeper
-positions get measured.  When plain
-decoding wins, MTP steps aside and re-probes after ``probe_every`` rounds — doubling the wait after
-each probe whose draft is rejected; an accepted probe opens a trial of a few drafting rounds, so that a
-request sent to plain decoding by an unlucky stretch, or whose text becomes predictable later, gets MTP
-back on fresh evidence instead of one probe's worth.
-Acceptance is counted, not averaged per round, with a prior worth two drafts at 75% (a typical
-first-draft acceptance), so one unlucky round does not send a good drafter
-away while a few rejected rounds stop a useless one; drafting must promise a margin over plain.
-Rounds that compiled a graph are not timed (``observe`` gets None).
+costs t(k) seconds (drafting plus one verify of k+1 positions, host work included).  The controller
+picks the k in 0..max_depth with the most tokens per second, E(k) / t(k); k = 0 is plain decoding.
+
+What drafting is compared against matters most.  t(0) is the *measured* cost of a step in the loop's
+pipelined plain stretch (no host sync per step), never a guess from the drafting rounds: a line
+through those rounds meets k = 0 well above a pipelined step, and a controller that believes it
+keeps drafting where drafting loses.  So plain steps are measured before the first drafting round
+and again every ``refresh_every`` drafting rounds; the costs (``RoundCosts``) belong to a batch size,
+not a request, so every request of a server shares what earlier ones measured.
+
+t(k) for drafting rounds comes from a line fitted to recent rounds of all depths (one noisy round
+then moves every estimate a little instead of one estimate a lot); a round slower than three times
+its estimate is taken for a stall elsewhere on the machine and left out, unless several come in
+a row (then the machine did get slower).  The s_i are decayed counts,
+each position leaning on the one before it while it has few trials, with a prior worth two drafts at
+75%, so one unlucky round does not send a good drafter away while a few rejected rounds stop a
+useless one.  Every ``explore_every`` drafting rounds one goes a draft deeper than the best, so
+deeper positions get measured.  Drafting must promise ``margin`` over plain.
+
+When plain wins, MTP steps aside and probes after ``probe_every`` rounds, doubling the wait after
+each rejected probe.  Where drafts lost on acceptance, an accepted probe that brings the estimate
+within ``trial_gap`` of plain opens a trial of a few drafting rounds (text that became predictable
+gets MTP back on fresh evidence, a drafter that merely loses does not get rounds to lose); where even perfect
+drafts could not beat plain steps (a verify that costs too much on this machine), probes only keep
+the costs fresh, at the longest wait, and open no trial.  Rounds that compiled a graph are not
+timed (``observe`` gets None).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass
+class RoundCosts:
+    """Seconds per round at one batch size: plain steps, and a line through drafting rounds."""
+
+    smoothing: float = 0.2  # EMA weight of a new round time
+    fit_decay: float = 0.95  # for the line through drafting round times (about twenty rounds)
+    outlier: float = 2.0  # a round slower than this many times its estimate is a stall, not a cost...
+    max_stalls: int = 3  # ... unless it is the fourth such round in a row
+    times: dict = field(default_factory=dict)  # depth -> EMA seconds per round (0: per plain step)
+    plain_age: int = 0  # drafting rounds timed since plain steps were
+    _fit: list = field(default_factory=lambda: [0.0] * 5)  # decayed sums: weight, k, k^2, t, k*t
+    _stalls: int = 0
+
+    @property
+    def plain(self) -> float | None:
+        return self.times.get(0)
+
+    def observe(self, k: int, seconds: float) -> None:
+        expected = self.round_time(k, self.line())
+        if expected and seconds > self.outlier * expected and self._stalls < self.max_stalls:
+            self._stalls += 1  # a stall elsewhere on the machine says nothing about depths
+            return
+        self._stalls = 0  # (several in a row: the machine did get slower, and the estimates follow)
+        previous = self.times.get(k)
+        self.times[k] = seconds if previous is None else previous + self.smoothing * (seconds - previous)
+        if k == 0:
+            self.plain_age = 0
+            return
+        self.plain_age += 1
+        self._fit = [self.fit_decay * a + b for a, b in zip(self._fit, (1.0, k, k * k, seconds, k * seconds))]
+
+    def line(self) -> tuple[float, float] | None:
+        """(intercept, seconds per draft) fitted to recent drafting rounds, once two depths were seen."""
+        w, sk, skk, st, skt = self._fit
+        spread = w * skk - sk * sk
+        if w <= 0 or spread <= 1e-9 * w * w:
+            return None
+        slope = max((w * skt - sk * st) / spread, 0.0)
+        return (st - slope * sk) / w, slope
+
+    def round_time(self, k: int, line: tuple[float, float] | None) -> float | None:
+        """t(k); ``line``: ``line()``, computed once by the caller for all depths."""
+        if k == 0:
+            return self.plain
+        if line is not None:  # every drafting round informs every depth: one noisy round moves little
+            return line[0] + line[1] * k
+        drafting = sorted((d, t) for d, t in self.times.items() if d > 0)
+        if k in self.times:
+            return self.times[k]
+        points = drafting if len(drafting) >= 2 else ([(0, self.plain)] if self.plain else []) + drafting
+        if len(points) >= 2:
+            (k0, t0), (k1, t1) = points[0], points[-1]
+            return t0 + max((t1 - t0) / (k1 - k0), 0.0) * (k - k0)
+        if len(points) == 1:  # one measurement: assume each draft adds a third of a plain round
+            k0, t0 = points[0]
+            return t0 / (1 + k0 / 3) * (1 + k / 3)
+        return None
+
+    @property
+    def drafting_known(self) -> bool:
+        return any(k > 0 for k in self.times)
 
 
 @dataclass
@@ -31,7 +106,6 @@ class DepthController:
     probe_every: int = 16
     max_probe_every: int = 128
     start_depth: int = 2
-    smoothing: float = 0.2  # for round times
     decay: float = 0.97  # for acceptance counts (an effective window of ~30 drafts)
     margin: float = 1.03  # drafting must promise 3% over plain decoding
     fixed: bool = False  # a fixed depth: always max_depth, except plain rounds below min_acceptance
@@ -39,18 +113,27 @@ class DepthController:
     prior_trials: float = 2.0
     explore_every: int = 8
     trial_rounds: int = 4  # drafting rounds after an accepted probe, before plain may win again
-    fit_decay: float = 0.9  # for the line through drafting round times (about ten rounds)
-    times: dict = field(default_factory=dict)  # depth -> EMA seconds per round
+    trial_gap: float = 0.9  # ... opened only where drafting's estimated rate is within this of plain's
+    plain_steps: int = 4  # plain steps measured before the first drafting round, and at each refresh
+    refresh_every: int = 64  # drafting rounds between measurements of plain steps
+    costs: RoundCosts = field(default_factory=RoundCosts)  # shared by the controllers of one batch size
     _successes: float = 0.0
     _trials: float = 0.0
     _plain_rounds: int = 0
     _wait: int = 0
     _probing: bool = False
+    _hopeless: bool = False  # plain won even against perfect drafts
     _since_explore: int = 0
     _trial: int = 0
-    _fit: list = field(default_factory=lambda: [0.0] * 5)  # decayed sums: weight, k, k^2, t, k*t
+    _measure: int = 0  # plain steps still to take for a measurement
+    _measurements: int = 0  # plain measurements started while no plain time was known
+    _untimed_plain: bool = False  # a plain step came back untimed (it compiled its graph)
     _position_successes: list = field(default_factory=list)  # per draft position, decayed
     _position_trials: list = field(default_factory=list)
+
+    @property
+    def times(self) -> dict:
+        return self.costs.times
 
     @property
     def acceptance(self) -> float:
@@ -75,32 +158,6 @@ class DepthController:
             out.append(out[-1] + alive)
         return out
 
-    def _line(self) -> tuple[float, float] | None:
-        """(intercept, seconds per draft) fitted to recent drafting rounds, once two depths were seen."""
-        w, sk, skk, st, skt = self._fit
-        spread = w * skk - sk * sk
-        if w <= 0 or spread <= 1e-9 * w * w:
-            return None
-        slope = max((w * skt - sk * st) / spread, 0.0)
-        return (st - slope * sk) / w, slope
-
-    def round_time(self, k: int, line: tuple[float, float] | None) -> float | None:
-        """t(k); ``line``: ``_line()``, computed once by the caller for all depths."""
-        if k > 0 and line is not None:  # every drafting round informs every depth: one noisy round moves little
-            return line[0] + line[1] * k
-        if k in self.times:
-            return self.times[k]
-        points = sorted(self.times.items())
-        if len(points) >= 2:
-            (k0, t0), (k1, t1) = points[0], points[-1]
-            slope = max((t1 - t0) / (k1 - k0), 0.0)
-            return t0 + slope * (k - k0)
-        if len(points) == 1:  # one measurement: assume each draft adds a third of a plain round
-            k0, t0 = points[0]
-            base = t0 / (1 + k0 / 3)
-            return base * (1 + k / 3)
-        return None
-
     def choose(self) -> int:
         if self.max_depth == 0:
             return 0
@@ -109,28 +166,60 @@ class DepthController:
                 return self._plain_or_probe(self.max_depth)
             self._plain_rounds, self._wait = 0, 0
             return self.max_depth
-        if not self.times:
+        if self._measure_plain():
+            return 0
+        if not self.costs.drafting_known:
             return min(self.start_depth, self.max_depth)
         if self.acceptance < self.min_acceptance:
             return self._plain_or_probe()
-        line = self._line()
-        rates = {k: expected / t for k, expected in enumerate(self.expected_tokens())
-                 if (t := self.round_time(k, line)) is not None}
+        times, rates = self._rates()
         if self._trial:  # after an accepted probe: draft a few rounds and let them speak
             self._trial -= 1
             rates.pop(0, None)
         best = max(rates, key=rates.get)
         if best == 0 or (0 in rates and rates[best] < self.margin * rates[0]):
+            perfect = max((k + 1) / t for k, t in times.items() if k > 0)
+            self._hopeless = perfect < self.margin * rates[0]
             return self._plain_or_probe()
-        self._plain_rounds, self._wait = 0, 0
+        self._plain_rounds, self._wait, self._hopeless = 0, 0, False
         self._since_explore += 1
         if self._since_explore >= self.explore_every and best < self.max_depth:
             self._since_explore = 0
             return best + 1
         return best
 
+    def _rates(self) -> tuple[dict, dict]:
+        """(t(k), E(k) / t(k)) for the depths whose time is known or can be estimated."""
+        line = self.costs.line()
+        times = {k: t for k in range(self.max_depth + 1) if (t := self.costs.round_time(k, line)) is not None}
+        return times, {k: expected / times[k] for k, expected in enumerate(self.expected_tokens()) if k in times}
+
+    def _within_reach(self) -> bool:
+        """Whether drafting, at the acceptance now estimated, comes within ``trial_gap`` of plain."""
+        _, rates = self._rates()
+        drafting = max((r for k, r in rates.items() if k > 0), default=0.0)
+        return 0 not in rates or drafting >= self.trial_gap * rates[0]
+
+    def _measure_plain(self) -> bool:
+        """True while plain steps are being measured: before any drafting round when no plain
+        time is known (a second try when the first stretch compiled its graph and so went untimed), and again
+        when the last measurement is ``refresh_every`` drafting rounds old."""
+        if not self._measure:
+            unknown = self.costs.plain is None and (self._measurements == 0 or self._untimed_plain)
+            if unknown and self._measurements >= 2:  # never timed (compiles every time): draft without it
+                unknown = False
+            if unknown or self.costs.plain_age >= self.refresh_every:
+                self._measure = self.plain_steps
+                self._measurements += unknown
+                self._untimed_plain = False
+                self.costs.plain_age = 0  # one controller of the batch size measures; the others need not
+        if self._measure:
+            self._measure -= 1
+            return True
+        return False
+
     def _plain_or_probe(self, probe_depth: int = 1) -> int:
-        self._wait = self._wait or self.probe_every
+        self._wait = self.max_probe_every if self._hopeless else (self._wait or self.probe_every)
         self._plain_rounds += 1
         if self._plain_rounds >= self._wait:
             self._plain_rounds, self._probing = 0, True
@@ -141,18 +230,16 @@ class DepthController:
         """After a round of depth k: accepted drafts per row, and the round's wall time (None: not
         representative, e.g. it included compiling a graph)."""
         if seconds is not None:
-            previous = self.times.get(k)
-            self.times[k] = seconds if previous is None else previous + self.smoothing * (seconds - previous)
-            if k > 0:
-                self._fit = [self.fit_decay * a + b for a, b in zip(self._fit, (1.0, k, k * k, seconds, k * seconds))]
+            self.costs.observe(k, seconds)
+        elif k == 0:
+            self._untimed_plain = True
         if k == 0 or not accepted:
             return
-        if self._probing:  # a rejected probe doubles the wait for the next; an accepted one opens a trial
+        probe_accepted = self._probing and sum(accepted) > 0
+        if self._probing:  # a rejected probe doubles the wait; an accepted one may open a trial (below)
             self._probing = False
-            if sum(accepted) == 0:
+            if not probe_accepted:
                 self._wait = min(2 * self._wait, self.max_probe_every)
-            else:
-                self._wait, self._trial = self.probe_every, self.trial_rounds
         self._successes = self.decay * self._successes + sum(accepted)
         self._trials = self.decay * self._trials + sum(n + 1 if n < k else k for n in accepted)
         grow = k - len(self._position_trials)
@@ -164,3 +251,5 @@ class DepthController:
             kept = sum(1 for n in accepted if n > i)
             self._position_successes[i] = self.decay * self._position_successes[i] + kept
             self._position_trials[i] = self.decay * self._position_trials[i] + tried
+        if probe_accepted and not self._hopeless and self._within_reach():
+            self._wait, self._trial = self.probe_every, self.trial_rounds

@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from .acceptance import (accept_greedy, accept_greedy_graph, accept_sampled, accept_sampled_graph, allowed_drafts,
                          kept_hidden)
-from .adaptive import DepthController
+from .adaptive import DepthController, RoundCosts
 from .compiled_forward import TraceCache
 from . import cache as caches
 from .sampling import SamplingParams, draft_probs, log_softmax, target_probs
@@ -153,7 +153,8 @@ class LiveBatch:
         controller = None
         if self.max_depth and (self.auto or self.decoder.min_acceptance > 0):
             # auto: depth per round; a fixed depth: only the fall back to plain below min_acceptance
-            controller = DepthController(self.max_depth, self.decoder.min_acceptance, fixed=not self.auto)
+            controller = DepthController(self.max_depth, self.decoder.min_acceptance, fixed=not self.auto,
+                                         costs=self.decoder.round_costs(1, self.max_depth))
         history = mx.array(list(request.prompt), dtype=mx.int32)
         if processors is None:
             processors = request.params.processors()
@@ -213,7 +214,8 @@ class LiveBatch:
         by_size = self.decoder.batch_controllers
         key = (len(self.rows), self.max_depth)
         if key not in by_size:
-            by_size[key] = DepthController(self.max_depth, self.decoder.min_acceptance)
+            by_size[key] = DepthController(self.max_depth, self.decoder.min_acceptance,
+                                           costs=self.decoder.round_costs(*key))
         return by_size[key]
 
     def _depths(self, rows: list[RowState]) -> list[int]:
@@ -367,6 +369,7 @@ class SpeculativeDecoder:
         self._trace_caches: OrderedDict = OrderedDict()  # name -> TraceCache (draft steps, acceptance)
         self._retired_traces = 0
         self.batch_controllers: dict = {}  # (batch size, max depth) -> DepthController, for auto
+        self._round_costs: dict = {}  # (batch size, max depth) -> RoundCosts, shared by its controllers
         self.mask_drafts = True  # rows under a grammar draft only what it allows
 
     # -- public ---------------------------------------------------------------------------
@@ -394,6 +397,11 @@ class SpeculativeDecoder:
     def batch(self, draft_tokens: int | str | None = None, seed: int | None = None) -> LiveBatch:
         """An empty batch that rows can join; draft_tokens defaults to the decoder's."""
         return LiveBatch(self, self.draft_tokens if draft_tokens is None else draft_tokens, seed)
+
+    def round_costs(self, batch_size: int, max_depth: int) -> RoundCosts:
+        """What rounds cost at this batch size, as measured so far: a property of the model and
+        the machine, so every request (and its controller) shares it."""
+        return self._round_costs.setdefault((batch_size, max_depth), RoundCosts())
 
     # -- steps ----------------------------------------------------------------------------
     def _prefill(self, requests: Sequence[Request], slack: int):

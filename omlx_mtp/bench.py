@@ -20,7 +20,7 @@ from .decode import cache as caches
 from .decode.linear_state import LinearStateCache
 from .decode.loop import DecodeStats, Request, SpeculativeDecoder
 from .decode.sampling import SamplingParams
-from .decode.oracle import OracleDrafter
+from .decode.oracle import OracleDrafter, ScriptedAccuracyDecoder
 from .runner import Session, regime, run_mtp, run_plain
 
 
@@ -34,55 +34,55 @@ def _median_ms(fn, repeats: int = 20) -> float:
     return 1000 * statistics.median(times)
 
 
-def component_costs(session: Session, prompt: list[int], K: int) -> dict:
-    """Milliseconds for one verify of K+1 positions and one draft step."""
+def component_costs(session: Session, prompt: list[int], K: int, batch: int = 1) -> dict:
+    """Milliseconds for one verify of K+1 positions and one draft step, for ``batch`` rows."""
     target = session.target
-    cache = target.make_cache(1, slack=max(len(prompt), K + 1))
-    hidden = target.hidden(mx.array([prompt]), cache)
+    cache = target.make_cache(batch, slack=max(len(prompt), K + 1))
+    hidden = target.hidden(mx.array([prompt] * batch), cache)
     caches.advance(cache, len(prompt))
     mx.eval(hidden)
     length = caches.lengths_of(cache)[0]
 
     def forward(n):
         def run():
-            logits, h = target.forward(mx.zeros((1, n), dtype=mx.int32), cache)
+            logits, h = target.forward(mx.zeros((batch, n), dtype=mx.int32), cache)
             mx.eval(logits, h)
-            caches.commit(cache, [length])
+            caches.commit(cache, [length] * batch)
         return run
 
     costs = {"verify_ms": _median_ms(forward(K + 1))}
     decoder = session.decoder
     if session.drafter is not None and hasattr(session.drafter, "visible_span"):
         position, context = decoder.draft_context(cache)
-        token, h_prev = mx.zeros((1, 1), dtype=mx.int32), hidden[:, -1:]
+        token, h_prev = mx.zeros((batch, 1), dtype=mx.int32), hidden[:, -1:]
 
         def draft():  # one greedy draft step, compiled as the loop runs it
             mx.eval(*decoder._greedy_step(False)(token, h_prev, position, *context))
 
         costs["draft_ms"] = _median_ms(draft)
     elif session.drafter is not None and hasattr(session.drafter, "make_cache"):  # a head with its own K/V
-        own = session.drafter.make_cache(1, slack=len(prompt) + K + 1)
+        own = session.drafter.make_cache(batch, slack=len(prompt) + K + 1)
         for table in caches.tables_of(own):
-            table.start_at([length])
-        token, h_prev = mx.zeros((1, 1), dtype=mx.int32), hidden[:, -1:]
+            table.start_at([length] * batch)
+        token, h_prev = mx.zeros((batch, 1), dtype=mx.int32), hidden[:, -1:]
 
         def draft():  # one draft step, taken back
             mx.eval(*session.drafter.step(target, token, h_prev, own))
-            caches.commit(own, [length])
+            caches.commit(own, [length] * batch)
 
         costs["draft_ms"] = _median_ms(draft)
     if any(isinstance(c, LinearStateCache) for c in cache):
         def verify_and_take_back():  # the worst case: one of K + 1 positions kept
-            logits, h = target.forward(mx.zeros((1, K + 1), dtype=mx.int32), cache)
+            logits, h = target.forward(mx.zeros((batch, K + 1), dtype=mx.int32), cache)
             mx.eval(logits, h)
             saved = [list(c.cache) if isinstance(c, LinearStateCache) else None for c in cache]
-            caches.commit(cache, [length + 1])
+            caches.commit(cache, [length + 1] * batch)
             mx.eval([c.state for c in cache])
             for c, state in zip(cache, saved):
                 if state is not None:
                     c.cache = state
             for table in caches.tables_of(cache):
-                table.commit([length])
+                table.commit([length] * batch)
 
         costs["rollback_ms"] = max(_median_ms(verify_and_take_back) - costs["verify_ms"], 0.0)
     return costs
@@ -93,8 +93,10 @@ def speedup_bound(tokens_per_round: float, K: int, costs: dict, draft_ms: float)
 
 
 def benchmark(session: Session, prompts: list[list[int]], draft_tokens: list, max_tokens: int = 128,
-              repeats: int = 3, temps=(0.0,), say=print, batches=(1,), peer=None) -> list[dict]:
-    """``peer``: a loaded mlx-vlm pair (``omlx_mtp.peer``) to run beside ours at batch 1, fixed depths."""
+              repeats: int = 3, temps=(0.0,), say=print, batches=(1,), peer=None, accuracies=()) -> list[dict]:
+    """``peer``: a loaded mlx-vlm pair (``omlx_mtp.peer``) to run beside ours at batch 1, fixed depths.
+    ``accuracies``: also run the drafter with its drafts right at each of these rates
+    (``ScriptedAccuracyDecoder``; greedy rows), engines named ``drafts@a``."""
     results = []
     stop = session.stop_tokens()
     continuation = {}
@@ -105,13 +107,40 @@ def benchmark(session: Session, prompts: list[list[int]], draft_tokens: list, ma
         requests = [Request(p, SamplingParams(temperature=temp), max_tokens, stop) for p in prompts]
         for K in draft_tokens:
             for batch in batches:
+                scripted = {f"drafts@{a:g}": a for a in accuracies} if temp == 0 and session.drafter else {}
                 if batch == 1:
                     results += _bench_depth(session, requests, K, temp, continuation, repeats, say,
-                                            peer if K != "auto" else None)
+                                            peer if K != "auto" else None, scripted)
                 else:
                     rows = [requests[i % len(requests)] for i in range(batch)]
-                    results += _bench_batch(session, rows, K, temp, continuation, repeats, say)
+                    results += _bench_batch(session, rows, K, temp, continuation, repeats, say, scripted)
     return results
+
+
+def _decoders(session: Session, K, continuation: dict, scripted: dict) -> dict:
+    """The drafting engines: name -> decoder (each kept for all repeats, so its compiled draft
+    steps are reused as a server's are)."""
+    kwargs = dict(draft_tokens=K, query_offset=session.decoder.query_offset,
+                  max_draft_tokens=session.decoder.max_draft_tokens)
+    out = {"mtp": SpeculativeDecoder(session.target, session.drafter, **kwargs),
+           "oracle": SpeculativeDecoder(session.target, OracleDrafter(continuation, session.target.vocab_size),
+                                        draft_tokens=K)}
+    for name, accuracy in scripted.items():
+        out[name] = ScriptedAccuracyDecoder(session.target, session.drafter, continuation, accuracy, **kwargs)
+    return out
+
+
+def _with_bounds(entries: list[dict], costs: dict, K) -> None:
+    """Ratios to no-draft for every entry; the speedup bound and achieved/bound for drafting
+    engines at a fixed depth (an oracle's drafts cost nothing; every other engine pays the drafter's)."""
+    no_draft = next(e["tokens_per_second"] for e in entries if e["engine"] == NO_DRAFT)
+    for entry in entries:
+        entry["speedup_vs_no_draft"] = entry["tokens_per_second"] / no_draft if no_draft else 0.0
+        if K == "auto" or entry["engine"] in BASELINES or "tokens_per_round" not in entry or entry["engine"] == PEER:
+            continue
+        draft_ms = 0.0 if entry["engine"] == "oracle" else costs.get("draft_ms", 0.0)
+        bound = speedup_bound(entry["tokens_per_round"], K, costs, draft_ms)
+        entry.update(speedup_bound=bound, achieved_over_bound=entry["speedup_vs_plain"] / bound)
 
 
 PEER = "mlx-vlm"
@@ -140,24 +169,19 @@ def _peer_rates(runs: list[dict]) -> dict:
     return {"acceptance_rate": stats.acceptance_rate, "tokens_per_round": stats.tokens_per_round}
 
 
-def _bench_batch(session, requests, K, temp, continuation, repeats, say) -> list[dict]:
+def _bench_batch(session, requests, K, temp, continuation, repeats, say, scripted=None) -> list[dict]:
     """Several requests at once, the way a server runs them: mlx-lm's own BatchGenerator (plain)
-    against MTP behind the same API (omlx_mtp.host.batch_generator).  Prefill included in both."""
+    against MTP behind the same API (omlx_mtp.host.batch_generator).  Decode speed: the tokens
+    after every request's first, over the time after it (prefill is the same work for all)."""
     import importlib
 
     from .host.batch_generator import MTPBatchGenerator
 
     mlx_generate = importlib.import_module("mlx_lm.generate")
     stops = [[t] for t in session.stop_tokens()] or None
-    oracle = SpeculativeDecoder(session.target, OracleDrafter(continuation, session.target.vocab_size), draft_tokens=K)
 
     def plain():
         return mlx_generate.BatchGenerator(session.model, stop_tokens=stops, completion_batch_size=len(requests))
-
-    # One decoder per engine for all repeats, so its compiled draft steps are reused as a server's are.
-    assistant = SpeculativeDecoder(session.target, session.drafter, draft_tokens=K,
-                                   query_offset=session.decoder.query_offset,
-                                   max_draft_tokens=session.decoder.max_draft_tokens)
 
     def mtp(decoder):
         def make():
@@ -165,16 +189,16 @@ def _bench_batch(session, requests, K, temp, continuation, repeats, say) -> list
                                      completion_batch_size=len(requests))
         return make
 
-    no_draft = SpeculativeDecoder(session.target, None, draft_tokens=0)
-    factories = {"plain": plain, NO_DRAFT: mtp(no_draft), "mtp": mtp(assistant), "oracle": mtp(oracle)}
+    factories = {"plain": plain, NO_DRAFT: mtp(SpeculativeDecoder(session.target, None, draft_tokens=0))}
+    factories.update({name: mtp(d) for name, d in _decoders(session, K, continuation, scripted or {}).items()})
     speeds = {name: [] for name in factories}
     outputs, stats = {}, {}
     for repeat in range(repeats + 1):  # the first pass warms up
         for name, factory in factories.items():
             mx.random.seed(repeat)
-            tokens, seconds, generator = _drive(factory(), requests)
+            tokens, tps, generator = _drive(factory(), requests)
             if repeat:
-                speeds[name].append(sum(len(t) for t in tokens) / seconds)
+                speeds[name].append(tps)
             outputs[name] = tokens
             if isinstance(generator, MTPBatchGenerator):
                 stats[name] = generator.totals
@@ -187,12 +211,18 @@ def _bench_batch(session, requests, K, temp, continuation, repeats, say) -> list
         if name in stats and name not in BASELINES:
             entry.update(acceptance_rate=stats[name].acceptance_rate, tokens_per_round=stats[name].tokens_per_round)
         results.append(entry)
+    costs = component_costs(session, list(requests[0].prompt), K, len(requests)) if K != "auto" else {}
+    costs["decode_ms"] = 1000 * len(requests) / plain_tps  # one step of the whole batch, mlx-lm's
+    _with_bounds(results, costs, K)
+    for entry in results:
+        entry.update(costs)
         say(_row(entry))
     return results
 
 
 def _drive(generator, requests):
-    """All requests inserted at once, stepped to the end: (tokens per request, seconds, generator)."""
+    """All requests inserted at once, stepped to the end: (tokens per request, decode tokens per
+    second after every request's first token, generator)."""
     from .host.batch_generator import MTPBatchGenerator
 
     kwargs = dict(max_tokens=[r.max_tokens for r in requests])
@@ -200,39 +230,42 @@ def _drive(generator, requests):
         kwargs["sampling_params"] = [r.params for r in requests]
     else:
         kwargs["samplers"] = [r.params.mlx_sampler() for r in requests]
-    start = time.perf_counter()
     uids = generator.insert([list(r.prompt) for r in requests], **kwargs)
     tokens = {uid: [] for uid in uids}
-    done = set()
+    done, started, before = set(), None, 0
     while len(done) < len(uids):
         for response in generator.next_generated():
             if response.finish_reason == "stop":
                 done.add(response.uid)
-                continue
-            tokens[response.uid].append(response.token)
-            if response.finish_reason is not None:
-                done.add(response.uid)
-    seconds = time.perf_counter() - start
-    return [tokens[u] for u in uids], seconds, generator
+            else:
+                tokens[response.uid].append(response.token)
+                if response.finish_reason is not None:
+                    done.add(response.uid)
+        if started is None and all(tokens[u] or u in done for u in uids):
+            started, before = time.perf_counter(), sum(len(t) for t in tokens.values())
+    seconds = time.perf_counter() - started
+    after = sum(len(t) for t in tokens.values()) - before
+    return [tokens[u] for u in uids], after / seconds if seconds > 0 else 0.0, generator
 
 
-def _bench_depth(session, requests, K, temp, continuation, repeats, say, peer=None) -> list[dict]:
-    oracle = SpeculativeDecoder(session.target, OracleDrafter(continuation, session.target.vocab_size), draft_tokens=K)
+def _bench_depth(session, requests, K, temp, continuation, repeats, say, peer=None, scripted=None) -> list[dict]:
     # "no-draft": this package's own loop with no drafts (compiled forward, pipelined plain steps),
     # which tells the gain of compiling apart from the gain of drafting.
-    engines = {"plain": [], NO_DRAFT: [], "mtp": [], "oracle": []}
-    stats = {"mtp": [], "oracle": []}
+    drafting = _decoders(session, K, continuation, scripted or {})
+    engines = {"plain": [], NO_DRAFT: [], **{name: [] for name in drafting}}
+    stats = {name: [] for name in drafting}
     if peer is not None:
         engines[PEER], peer_stats = [], []
+    runs = [(NO_DRAFT, session.decoder, 0)] + [(name, decoder, K) for name, decoder in drafting.items()]
     for request in requests:
-        run_mtp(session.decoder, request, seed=0, draft_tokens=K)  # warm-up at this depth
+        for _, decoder, depth in runs:  # warm-up at this depth
+            run_mtp(decoder, request, seed=0, draft_tokens=depth)
         if peer is not None:
             _run_peer(peer, request, temp, K, seed=0)
         for repeat in range(repeats):
             plain = run_plain(session.model, request, seed=repeat)
             engines["plain"].append(plain.tokens_per_second)
-            for name, decoder, depth in ((NO_DRAFT, session.decoder, 0), ("mtp", session.decoder, K),
-                                         ("oracle", oracle, K)):
+            for name, decoder, depth in runs:
                 out = run_mtp(decoder, request, seed=repeat, draft_tokens=depth)
                 if temp == 0:
                     assert out.row.generated == plain.row.generated, f"greedy {name} left plain decoding"
@@ -256,20 +289,20 @@ def _bench_depth(session, requests, K, temp, continuation, repeats, say, peer=No
         if name in stats:
             pooled = DecodeStats.pooled(stats[name])
             entry.update(acceptance_rate=pooled.acceptance_rate, tokens_per_round=pooled.tokens_per_round)
-            if K != "auto":
-                draft_ms = costs.get("draft_ms", 0.0) if name == "mtp" else 0.0
-                bound = speedup_bound(entry["tokens_per_round"], K, costs, draft_ms)
-                entry.update(speedup_bound=bound, achieved_over_bound=entry["speedup_vs_plain"] / bound)
-        entry.update(costs)
         results.append(entry)
+    _with_bounds(results, costs, K)
+    for entry in results:
+        entry.update(costs)
         say(_row(entry))
     return results
 
 
 def _row(e: dict) -> str:
-    line = (f"{e['engine']:<8} T={e['temp']:<4} K={e['draft_tokens']!s:<4} B={e['batch']:<2} "
+    line = (f"{e['engine']:<11} T={e['temp']:<4} K={e['draft_tokens']!s:<4} B={e['batch']:<2} "
             f"{e['tokens_per_second']:8.1f} tok/s"
             f"  x{e['speedup_vs_plain']:.2f}")
+    if "speedup_vs_no_draft" in e and e["engine"] not in BASELINES:
+        line += f" (x{e['speedup_vs_no_draft']:.2f} no-draft)"
     if "acceptance_rate" in e:
         line += f"  accept {e['acceptance_rate']:.0%}  {e['tokens_per_round']:.2f} tok/round"
     if "speedup_bound" in e:
@@ -305,46 +338,48 @@ def query_position_acceptance(session: Session, prompts, K: int, max_tokens: int
 
 def run_bench(model=None, drafter=None, draft_tokens=(1, 2, 3, 4), max_tokens=128, repeats=3,
               prompt_tokens=64, json_out=None, compare_query_positions=False, synthetic=None,
-              synthetic_layers=2, dtype="bfloat16", temps=(0.0,), batches=(1,), plot=None) -> int:
+              synthetic_layers=2, dtype="bfloat16", temps=(0.0,), batches=(1,), plot=None, accuracies=(),
+              target_bits=None, head_bits=None) -> int:
     if plot:
         _pyplot()  # refuse before a long run, not after it
-    with tempfile.TemporaryDirectory(prefix="omlx-mtp-bench-") as tmp:
-        return _run_bench(Path(tmp), model, drafter, draft_tokens, max_tokens, repeats, prompt_tokens, json_out,
-                          compare_query_positions, synthetic, synthetic_layers, dtype, temps, batches, plot)
-
-
-def _run_bench(tmp: Path, model, drafter, draft_tokens, max_tokens, repeats, prompt_tokens, json_out,
-               compare_query_positions, synthetic, synthetic_layers, dtype, temps, batches, plot) -> int:
     from .demo import demo_pair
     from .peer import peer_available, prepare_peer
 
-    peer, peer_note = None, peer_available()
-    if synthetic is not None:
-        from .fixtures.synthetic import synthetic_pair
+    with tempfile.TemporaryDirectory(prefix="omlx-mtp-bench-") as tmp:
+        peer, peer_note = None, peer_available()
+        if synthetic is not None:
+            from .fixtures.synthetic import synthetic_pair
 
-        target, assistant = synthetic_pair(synthetic, synthetic_layers, dtype)
-        session = Session(target, None, assistant)
-        label = f"{synthetic} ({synthetic_layers} target layers, random weights, {dtype})"
-        peer_note = peer_note or "a synthetic pair has no checkpoint for mlx-vlm to load"
-    else:
-        if model is None:
-            model, drafter, label = demo_pair(tmp / "pair")
+            target, assistant = synthetic_pair(synthetic, synthetic_layers, dtype, target_bits, head_bits)
+            session = Session(target, None, assistant)
+            label = f"{synthetic} ({synthetic_layers} target layers, random weights, {dtype}"
+            label += f", target {target_bits}-bit" if target_bits else ""
+            label += f", assistant head {head_bits}-bit)" if head_bits else ")"
+            peer_note = peer_note or "a synthetic pair has no checkpoint for mlx-vlm to load"
         else:
-            label = f"{model} + {drafter}"
-        session = Session.load(model, drafter)
-        if peer_note is None and not session.target.family.startswith("Gemma 4"):
-            peer_note = f"the peer is run on Gemma 4 pairs only, not {session.target.family}"
-        if peer_note is None:
-            peer = prepare_peer(model, drafter, tmp / "peer")
-    print(f"omlx-mtp bench — {label}")
-    print(f"regime: {regime()}, dtype {session.target.dtype}")
-    print(f"mlx-vlm MTP: {'mlx-vlm ' + peer.version if peer is not None else 'not run: ' + peer_note}")
-    prompts = bench_prompts(session, prompt_tokens)
-    results = benchmark(session, prompts, list(draft_tokens), max_tokens=max_tokens, repeats=repeats, temps=temps,
-                        batches=batches, peer=peer)
-    if compare_query_positions:
-        fixed = [k for k in draft_tokens if k != "auto"] or [3]
-        results += query_position_acceptance(session, prompts, max(fixed), max_tokens)
+            if target_bits or head_bits:
+                from .errors import MTPError
+
+                raise MTPError("bench: --target-bits and --head-bits apply to --synthetic models "
+                               "(quantize a checkpoint with omlx-mtp quantize)")
+            if model is None:
+                model, drafter, label = demo_pair(Path(tmp) / "pair")
+            else:
+                label = f"{model} + {drafter}"
+            session = Session.load(model, drafter)
+            if peer_note is None and not session.target.family.startswith("Gemma 4"):
+                peer_note = f"the peer is run on Gemma 4 pairs only, not {session.target.family}"
+            if peer_note is None:
+                peer = prepare_peer(model, drafter, Path(tmp) / "peer")
+        print(f"omlx-mtp bench — {label}")
+        print(f"regime: {regime()}, dtype {session.target.dtype}")
+        print(f"mlx-vlm MTP: {'mlx-vlm ' + peer.version if peer is not None else 'not run: ' + peer_note}")
+        prompts = bench_prompts(session, prompt_tokens)
+        results = benchmark(session, prompts, list(draft_tokens), max_tokens=max_tokens, repeats=repeats,
+                            temps=temps, batches=batches, peer=peer, accuracies=accuracies)
+        if compare_query_positions:
+            fixed = [k for k in draft_tokens if k != "auto"] or [3]
+            results += query_position_acceptance(session, prompts, max(fixed), max_tokens)
     if json_out:
         Path(json_out).write_text(json.dumps({"regime": regime(), "model": label, "results": results}, indent=2))
         print(f"wrote {json_out}")

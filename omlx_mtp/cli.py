@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     _add_sampling(gen)
 
-    demo = sub.add_parser("demo", help="run the embedded demo pair with MTP off and on")
+    demo = sub.add_parser("demo", help="run the embedded demo pair: plain, MTP off, MTP (auto and a fixed depth)")
     demo.add_argument("--max-tokens", type=int, default=96)
     demo.add_argument("--draft-tokens", type=int, default=3, help="fixed depth shown beside auto")
     demo.add_argument("--json", action="store_true")
@@ -94,10 +94,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--temps", default="0", help="comma-separated temperatures, e.g. 0,0.7,1.0")
     bench.add_argument("--batch", default="1", help="comma-separated batch sizes (requests decoding together)")
     bench.add_argument("--plot", help="write a PNG of speedup against draft tokens (needs matplotlib)")
-    bench.add_argument("--synthetic", help="an in-memory model at real widths, random weights: gemma4-31b-shaped or qwen3.5-27b-shaped")
+    bench.add_argument("--synthetic", help="an in-memory model at real widths, random weights: gemma4-31b-shaped, "
+                       "gemma4-26b-a4b-shaped (MoE) or qwen3.5-27b-shaped")
     bench.add_argument("--synthetic-layers", type=int, default=2)
     bench.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
                        help="dtype of a --synthetic model")
+    bench.add_argument("--target-bits", type=int, help="quantize a --synthetic target (4 or 8, as users serve it)")
+    bench.add_argument("--head-bits", type=int, help="quantize a --synthetic drafter's head")
+    bench.add_argument("--accuracy", default="",
+                       help="also run the drafter with its drafts right at these rates (comma-separated, "
+                            "e.g. 0.5,0.7,0.85; greedy): realistic acceptance where random weights accept nothing")
     bench.add_argument("--compare-query-positions", action="store_true",
                        help="also measure greedy acceptance with the drafter query at N and at N-1")
     return parser
@@ -209,9 +215,14 @@ def cmd_bench(args) -> int:
         assert all(b >= 1 for b in batches)
     except (ValueError, AssertionError):
         raise MTPError(f"--batch: expected comma-separated positive integers, got {args.batch!r}") from None
+    try:
+        accuracies = [float(a) for a in args.accuracy.split(",") if a.strip()]
+        assert all(0 <= a <= 1 for a in accuracies)
+    except (ValueError, AssertionError):
+        raise MTPError(f"--accuracy: expected comma-separated rates in [0, 1], got {args.accuracy!r}") from None
     return run_bench(args.model, args.drafter, depths, args.max_tokens, args.repeats, args.prompt_tokens,
                      args.json_out, args.compare_query_positions, args.synthetic, args.synthetic_layers, args.dtype,
-                     temps, batches, args.plot)
+                     temps, batches, args.plot, accuracies, args.target_bits, args.head_bits)
 
 
 def cmd_quantize(args) -> int:

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from omlx_mtp.decode.adaptive import DepthController
-from omlx_mtp.decode.loop import Request, SpeculativeDecoder
+from omlx_mtp.decode.loop import DecodeStats, Request, SpeculativeDecoder
 from omlx_mtp.decode.oracle import OracleDrafter
 from omlx_mtp.runner import run_plain
 
@@ -241,3 +241,20 @@ def test_rounds_that_compiled_a_graph_are_not_timed(pair_31b):
     before = decoder.traces_made
     batch.round()  # same shapes: nothing traced, so the round is timed
     assert decoder.traces_made == before and 2 in controller.times
+
+
+@pytest.mark.parametrize("accuracy", [0.5, 0.85])
+def test_scripted_accuracy_drafts_are_right_at_their_rate_and_stay_lossless(pair_31b, accuracy):
+    """The benchmark drafter for real widths: drafts right with probability a each, so a round of K
+    keeps n < K with probability a^n (1 - a); greedy output stays plain decoding's."""
+    from omlx_mtp.decode.oracle import ScriptedAccuracyDecoder
+
+    batch = prompts(4, pair_31b.spec.vocab_size, seed=6)
+    references = {tuple(p): run_plain(pair_31b.model, Request(p, max_tokens=80)).row.generated for p in batch}
+    decoder = ScriptedAccuracyDecoder(pair_31b.target, pair_31b.drafter, references, accuracy, seed=1, draft_tokens=3)
+    rows = decoder.generate([Request(p, max_tokens=80) for p in batch])
+    for prompt, row in zip(batch, rows):
+        assert row.generated == references[tuple(prompt)]
+    pooled = DecodeStats.pooled(r.stats for r in rows)
+    expected = sum(accuracy**n for n in range(1, 4)) / 3  # accepted drafts per draft, E[min(first error, 3)] / 3
+    assert pooled.acceptance_rate == pytest.approx(expected, abs=0.08)

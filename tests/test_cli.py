@@ -162,9 +162,14 @@ def test_bench_json(pair_31b, tmp_path, capsys):
     # temps x depths x engines (plain, no-draft, mtp, oracle)
     assert len(results) == 2 * 2 * 4 + (2 if peer else 0)
     for entry in results:
-        assert {"engine", "temp", "draft_tokens", "batch", "tokens_per_second", "speedup_vs_plain"} <= set(entry)
+        assert {"engine", "temp", "draft_tokens", "batch", "tokens_per_second", "speedup_vs_plain",
+                "speedup_vs_no_draft"} <= set(entry)
         if entry["engine"] not in ("plain", "no-draft"):
             assert {"acceptance_rate", "tokens_per_round"} <= set(entry)
+        if entry["engine"] in ("mtp", "oracle") and entry["draft_tokens"] != "auto":
+            assert entry["achieved_over_bound"] == pytest.approx(entry["speedup_vs_plain"] / entry["speedup_bound"])
+        if entry["engine"] == "no-draft":
+            assert entry["speedup_vs_no_draft"] == 1.0
 
 
 def test_bench_batch_sweep_and_plot(pair_31b, tmp_path):
@@ -172,7 +177,8 @@ def test_bench_batch_sweep_and_plot(pair_31b, tmp_path):
     (greedy outputs are checked equal inside the bench); --plot writes a PNG when matplotlib is there."""
     out = tmp_path / "bench.json"
     args = ["bench", "--model", str(pair_31b.target_dir), "--drafter", str(pair_31b.drafter_dir),
-            "--draft-tokens", "2", "--batch", "1,3", "--repeats", "1", "--max-tokens", "8", "--json", str(out)]
+            "--draft-tokens", "2", "--batch", "1,3", "--repeats", "1", "--max-tokens", "8", "--accuracy", "0.7",
+            "--json", str(out)]
     try:
         import matplotlib  # noqa: F401
 
@@ -181,12 +187,16 @@ def test_bench_batch_sweep_and_plot(pair_31b, tmp_path):
         pass
     assert main(args) == 0
     results = json.loads(out.read_text())["results"]
-    expected = [("mtp", 1), ("mtp", 3), ("no-draft", 1), ("no-draft", 3), ("oracle", 1), ("oracle", 3),
-                ("plain", 1), ("plain", 3)]
+    expected = [("drafts@0.7", 1), ("drafts@0.7", 3), ("mtp", 1), ("mtp", 3), ("no-draft", 1), ("no-draft", 3),
+                ("oracle", 1), ("oracle", 3), ("plain", 1), ("plain", 3)]
     if peer_available() is None:
-        expected = [("mlx-vlm", 1)] + expected
+        expected = sorted(expected + [("mlx-vlm", 1)])
     assert sorted({(e["engine"], e["batch"]) for e in results}) == expected
     assert all(e["tokens_per_second"] > 0 for e in results)
+    batched = [e for e in results if e["batch"] == 3 and e["engine"] not in ("plain", "no-draft")]
+    assert all(e["verify_ms"] > 0 and "achieved_over_bound" in e for e in batched)  # costs at batch 3
     if "--plot" in args:
         assert (tmp_path / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["bench", "--batch", "0"]) == 2
+    assert main(["bench", "--accuracy", "1.5"]) == 2
+    assert main(["bench", "--target-bits", "4"]) == 2  # only for --synthetic

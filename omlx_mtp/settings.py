@@ -4,7 +4,8 @@ A file is a mapping of these keys (all optional, only ``mtp_enabled: true`` turn
 
     mtp_enabled: true              # bool
     mtp_drafter: ../gemma-4-31b-it-assistant   # drafter directory; omit for a merged checkpoint
-    mtp_draft_tokens: 3            # 1..16, or "auto" (depth chosen per request from acceptance and cost)
+    mtp_draft_tokens: auto         # "auto" (the default: depth chosen per round from measured acceptance
+                                   # and cost, plain decoding where drafting would lose), or a fixed 1..16
     mtp_max_draft_tokens: 8        # only with mtp_draft_tokens: auto
     mtp_query_position: bonus      # "bonus" (N) or "last" (N-1)
     mtp_min_acceptance: 0.3        # below this measured rate a request falls back to plain decoding
@@ -49,7 +50,7 @@ class SettingsError(MTPError):
 class MTPSettings:
     mtp_enabled: bool = False
     mtp_drafter: str | None = None
-    mtp_draft_tokens: int | str = 3
+    mtp_draft_tokens: int | str = "auto"  # never slower than not drafting; a fixed depth drafts whatever it costs
     mtp_max_draft_tokens: int = 8
     mtp_query_position: str = "bonus"
     mtp_min_acceptance: float = 0.3

@@ -31,7 +31,7 @@ def test_user_file_overrides_preset(base):
     (base / "gemma-4-31b-it.yaml").write_text("mtp_enabled: true\nmtp_drafter: /models/assistant\n")
     settings, files = resolve("gemma-4-31b-it")
     assert settings.mtp_enabled and settings.mtp_drafter == "/models/assistant"
-    assert settings.mtp_draft_tokens == 4  # from the preset
+    assert settings.mtp_draft_tokens == "auto" and settings.mtp_min_acceptance == 0.3  # from the preset
     assert files[0].parent == PRESET_DIR and files[1].parent == base
 
 
@@ -132,5 +132,5 @@ def test_third_party_strategy_takes_over():
 
 def test_validate_defaults():
     assert validate({}, "x").mtp_enabled is False
-    assert validate(None, "x").mtp_draft_tokens == 3
+    assert validate(None, "x").mtp_draft_tokens == "auto"  # never slower than not drafting
     assert json.loads(json.dumps(validate({"mtp_draft_tokens": "auto"}, "x").as_dict()))["mtp_draft_tokens"] == "auto"

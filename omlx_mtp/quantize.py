@@ -97,18 +97,40 @@ class _FileTensor:
             count *= d
         return count * self.dtype.size
 
-    def read_rows(self, handle, first: int, last: int) -> mx.array:
-        count = (last - first) * self.row_bytes
-        data = np.empty(count, np.uint8)
-        handle.seek(self.start + first * self.row_bytes)
+
+class _Reader:
+    """Reads rows of source tensors through one open file per shard into one reused buffer
+    (``mx.array`` copies it), so reading costs one copy out of the page cache and no page faults."""
+
+    def __init__(self):
+        self._handles: dict[Path, object] = {}
+        self._buffer = np.empty(0, np.uint8)
+
+    def read_rows(self, tensor: _FileTensor, first: int, last: int) -> mx.array:
+        count = (last - first) * tensor.row_bytes
+        if self._buffer.size < count:
+            self._buffer = np.empty(count, np.uint8)
+        data = self._buffer[:count]
+        handle = self._handle(tensor.file)
+        handle.seek(tensor.start + first * tensor.row_bytes)
         done = 0
         while done < count:
             got = handle.readinto(memoryview(data)[done:])
             if not got:
-                raise CheckpointError(f"{self.file}: truncated (tensor {self.name} runs past the end of the file)")
+                raise CheckpointError(f"{tensor.file}: truncated (tensor {tensor.name} runs past the end of the file)")
             done += got
-        shape = (last - first, *self.shape[1:]) if self.shape else ()
-        return mx.array(data).view(self.dtype).reshape(shape)
+        shape = (last - first, *tensor.shape[1:]) if tensor.shape else ()
+        return mx.array(data).view(tensor.dtype).reshape(shape)
+
+    def _handle(self, file: Path):
+        if file not in self._handles:
+            self._handles[file] = open(file, "rb", buffering=0)
+        return self._handles[file]
+
+    def close(self) -> None:
+        for handle in self._handles.values():
+            handle.close()
+        self._handles.clear()
 
 
 def _file_tensors(directory: Path) -> dict[str, _FileTensor]:
@@ -277,14 +299,9 @@ def _pieces(jobs: deque):
             yield job, first, min(rows, first + job.rows_per_piece)
 
 
-def _start_piece(job: _Job, first: int, last: int | None, handles: dict, dtype, stream):
+def _start_piece(job: _Job, first: int, last: int | None, reader: _Reader, dtype, stream):
     """Read a piece and set its conversion running; returns what `_finish_piece` needs."""
-    if last is None:
-        array = job.source
-    else:
-        if job.source.file not in handles:
-            handles[job.source.file] = open(job.source.file, "rb", buffering=0)
-        array = job.source.read_rows(handles[job.source.file], first, last)
+    array = job.source if last is None else reader.read_rows(job.source, first, last)
     with mx.stream(stream):
         parts = [mx.contiguous(value) for _, value in _convert(job.name, array, job.scheme, dtype)]
     mx.async_eval(parts)
@@ -307,11 +324,11 @@ def _convert_all(jobs: deque, dtype, bar) -> None:
     streams = _compute_streams()
     depth = 2 * len(streams)
     writer = _Writer(3 * depth)
-    handles: dict[Path, object] = {}
+    reader = _Reader()
     in_flight: deque = deque()
     try:
         for n, (job, first, last) in enumerate(_pieces(jobs)):
-            in_flight.append(_start_piece(job, first, last, handles, dtype, streams[n % len(streams)]))
+            in_flight.append(_start_piece(job, first, last, reader, dtype, streams[n % len(streams)]))
             if len(in_flight) > depth:
                 bar.update(_finish_piece(in_flight.popleft(), writer))
         while in_flight:
@@ -319,8 +336,7 @@ def _convert_all(jobs: deque, dtype, bar) -> None:
         writer.finish()
     finally:
         writer.stop(cancel=True)
-        for handle in handles.values():
-            handle.close()
+        reader.close()
 
 
 def _model_for(config: dict, where: str):

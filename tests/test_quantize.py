@@ -252,15 +252,15 @@ def test_failure_late_in_the_pipeline_leaves_nothing(gemma_pair, tmp_path, capsy
     before = digest(src)
     monkeypatch.setattr(quantize_module, "PIECE_BYTES", 512)  # ~1800 pieces
     calls = {"read": 0, "write": 0}
-    read, write = quantize_module._FileTensor.read_rows, quantize_module._pwrite_all
+    read, write = quantize_module._Reader.read_rows, quantize_module._pwrite_all
 
-    def reading(self, handle, first, last):
+    def reading(self, tensor, first, last):
         calls["read"] += 1
         if calls["read"] == 1500 and failure == "source truncated":
-            os.truncate(self.file, self.start)  # the file shrinks under the quantizer
+            os.truncate(tensor.file, tensor.start)  # the file shrinks under the quantizer
         if calls["read"] == 1500 and failure == "interrupt":
             raise KeyboardInterrupt
-        return read(self, handle, first, last)
+        return read(self, tensor, first, last)
 
     def writing(fd, data, offset):
         if threading.current_thread() in writer_threads():
@@ -269,7 +269,7 @@ def test_failure_late_in_the_pipeline_leaves_nothing(gemma_pair, tmp_path, capsy
                 raise OSError(errno.ENOSPC, "No space left on device")
         write(fd, data, offset)
 
-    monkeypatch.setattr(quantize_module._FileTensor, "read_rows", reading)
+    monkeypatch.setattr(quantize_module._Reader, "read_rows", reading)
     monkeypatch.setattr(quantize_module, "_pwrite_all", writing)
     got, _, err = run(capsys, "quantize", src, tmp_path / "out", "--group-size", "32")
     assert got == code and needle in err and "Traceback" not in err, err

@@ -34,8 +34,9 @@ def _median_ms(fn, repeats: int = 20) -> float:
     return 1000 * statistics.median(times)
 
 
-def component_costs(session: Session, prompt: list[int], K: int, batch: int = 1) -> dict:
-    """Milliseconds for one verify of K+1 positions and one draft step, for ``batch`` rows."""
+def component_costs(session: Session, prompt: list[int], K: int, batch: int = 1, temp: float = 0.0) -> dict:
+    """Milliseconds for one verify of K+1 positions and one draft step, for ``batch`` rows; the
+    draft step the loop runs at ``temp`` (a sampled one draws from, and returns, its distribution)."""
     target = session.target
     cache = target.make_cache(batch, slack=max(len(prompt), K + 1))
     hidden = target.hidden(mx.array([prompt] * batch), cache)
@@ -56,8 +57,15 @@ def component_costs(session: Session, prompt: list[int], K: int, batch: int = 1)
         position, context = decoder.draft_context(cache)
         token, h_prev = mx.zeros((batch, 1), dtype=mx.int32), hidden[:, -1:]
 
-        def draft():  # one greedy draft step, compiled as the loop runs it
-            mx.eval(*decoder._greedy_step(False)(token, h_prev, position, *context))
+        if temp > 0:
+            sampling = (mx.full((batch, 1), temp, dtype=mx.float32), mx.zeros((batch,), dtype=mx.bool_),
+                        mx.random.key(0))
+
+            def draft():  # one sampled draft step, compiled as the loop runs it
+                mx.eval(*decoder._sampled_step(False)(token, h_prev, position, *sampling, *context))
+        else:
+            def draft():  # one greedy draft step, compiled as the loop runs it
+                mx.eval(*decoder._greedy_step(False)(token, h_prev, position, *context))
 
         costs["draft_ms"] = _median_ms(draft)
     elif session.drafter is not None and hasattr(session.drafter, "make_cache"):  # a head with its own K/V
@@ -211,7 +219,7 @@ def _bench_batch(session, requests, K, temp, continuation, repeats, say, scripte
         if name in stats and name not in BASELINES:
             entry.update(acceptance_rate=stats[name].acceptance_rate, tokens_per_round=stats[name].tokens_per_round)
         results.append(entry)
-    costs = component_costs(session, list(requests[0].prompt), K, len(requests)) if K != "auto" else {}
+    costs = component_costs(session, list(requests[0].prompt), K, len(requests), temp) if K != "auto" else {}
     costs["decode_ms"] = 1000 * len(requests) / plain_tps  # one step of the whole batch, mlx-lm's
     _with_bounds(results, costs, K)
     for entry in results:
@@ -279,7 +287,7 @@ def _bench_depth(session, requests, K, temp, continuation, repeats, say, peer=No
                 engines[PEER].append((len(out["tokens"]) - 1) / out["seconds"] if out["seconds"] > 0 else 0.0)
                 peer_stats.append(out)
     plain_tps = statistics.median(engines["plain"])
-    costs = component_costs(session, list(requests[0].prompt), K) if K != "auto" else {}
+    costs = component_costs(session, list(requests[0].prompt), K, temp=temp) if K != "auto" else {}
     costs["decode_ms"] = 1000 / plain_tps  # t_decode is a plain mlx-lm step
     results = []
     for name, values in engines.items():

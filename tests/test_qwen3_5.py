@@ -88,12 +88,20 @@ def test_skipping_the_linear_state_rollback_breaks_losslessness(qwen, monkeypatc
     assert mismatches
 
 
-def test_head_reads_exactly_the_committed_pairs(qwen):
+@pytest.mark.parametrize("with_plain_stretches", [False, True], ids=["drafting", "plain stretches between"])
+def test_head_reads_exactly_the_committed_pairs(qwen, with_plain_stretches, monkeypatch):
     """Every first draft equals the head run from scratch over the true (hidden, next token) pairs
-    of everything committed: the head's own K/V holds the verified pairs, never a draft's."""
+    of everything committed: the head's own K/V holds the verified pairs, never a draft's — also
+    the pairs of plain stretches, which reach it in one forward per stretch."""
     head, target = qwen.head, qwen.target
     seen = []
     original = head.step
+    if with_plain_stretches:  # every other round a plain stretch of a few steps
+        from omlx_mtp.decode.loop import LiveBatch
+
+        calls = iter(range(10**6))
+        monkeypatch.setattr(LiveBatch, "max_plain_stretch", 3)
+        monkeypatch.setattr(LiveBatch, "_depths", lambda self, rows: [next(calls) % 2] * len(rows))
 
     def recording(target_, token, h, cache):
         logits, out = original(target_, token, h, cache)
@@ -107,7 +115,7 @@ def test_head_reads_exactly_the_committed_pairs(qwen):
     finally:
         del head.step
     checked = 0
-    for lengths, tokens, drafts in seen[::4]:  # a sample of rounds keeps the test short
+    for lengths, tokens, drafts in seen[:: 2 if with_plain_stretches else 4]:  # a sample keeps the test short
         for r, (N, token, draft) in enumerate(zip(lengths, tokens, drafts)):
             sequence = list(batch[r]) + rows[r].generated
             if N >= len(sequence) or sequence[N] != token:

@@ -34,7 +34,8 @@ def _median_ms(fn, repeats: int = 20) -> float:
     return 1000 * statistics.median(times)
 
 
-def component_costs(session: Session, prompt: list[int], K: int, batch: int = 1, temp: float = 0.0) -> dict:
+def component_costs(session: Session, prompt: list[int], K: int, batch: int = 1, temp: float = 0.0,
+                    repeats: int = 20) -> dict:
     """Milliseconds for one verify of K+1 positions and one draft step, for ``batch`` rows; the
     draft step the loop runs at ``temp`` (a sampled one draws from, and returns, its distribution)."""
     target = session.target
@@ -51,7 +52,7 @@ def component_costs(session: Session, prompt: list[int], K: int, batch: int = 1,
             caches.commit(cache, [length] * batch)
         return run
 
-    costs = {"verify_ms": _median_ms(forward(K + 1))}
+    costs = {"verify_ms": _median_ms(forward(K + 1), repeats)}
     decoder = session.decoder
     if session.drafter is not None and hasattr(session.drafter, "visible_span"):
         position, context = decoder.draft_context(cache)
@@ -67,7 +68,7 @@ def component_costs(session: Session, prompt: list[int], K: int, batch: int = 1,
             def draft():  # one greedy draft step, compiled as the loop runs it
                 mx.eval(*decoder._greedy_step(False)(token, h_prev, position, *context))
 
-        costs["draft_ms"] = _median_ms(draft)
+        costs["draft_ms"] = _median_ms(draft, repeats)
     elif session.drafter is not None and hasattr(session.drafter, "make_cache"):  # a head with its own K/V
         own = session.drafter.make_cache(batch, slack=len(prompt) + K + 1)
         for table in caches.tables_of(own):
@@ -78,7 +79,7 @@ def component_costs(session: Session, prompt: list[int], K: int, batch: int = 1,
             mx.eval(*session.drafter.step(target, token, h_prev, own))
             caches.commit(own, [length] * batch)
 
-        costs["draft_ms"] = _median_ms(draft)
+        costs["draft_ms"] = _median_ms(draft, repeats)
     if any(isinstance(c, LinearStateCache) for c in cache):
         def verify_and_take_back():  # the worst case: one of K + 1 positions kept
             logits, h = target.forward(mx.zeros((batch, K + 1), dtype=mx.int32), cache)
@@ -92,7 +93,7 @@ def component_costs(session: Session, prompt: list[int], K: int, batch: int = 1,
             for table in caches.tables_of(cache):
                 table.commit([length] * batch)
 
-        costs["rollback_ms"] = max(_median_ms(verify_and_take_back) - costs["verify_ms"], 0.0)
+        costs["rollback_ms"] = max(_median_ms(verify_and_take_back, repeats) - costs["verify_ms"], 0.0)
     return costs
 
 

@@ -98,7 +98,8 @@ def run_demo(max_tokens: int = 96, draft_tokens: int = 3, as_json: bool = False,
                             ("mtp", f"MTP {MTPSettings.mtp_draft_tokens}"), ("fixed", f"MTP fixed {draft_tokens}"),
                             ("oracle", f"oracle {draft_tokens}")):
             run = median[name]
-            line = f"  {title:<19} {run.tokens_per_second:8.1f} tok/s  x{run.tokens_per_second / plain.tokens_per_second:.2f}"
+            ratio = run.tokens_per_second / plain.tokens_per_second
+            line = f"  {title:<19} {run.tokens_per_second:8.1f} tok/s  x{ratio:.2f}"
             if name not in ("plain", NO_DRAFT):
                 line += (f"  acceptance {run.row.stats.acceptance_rate:.0%}, "
                          f"{run.row.stats.tokens_per_round:.2f} tokens/round")

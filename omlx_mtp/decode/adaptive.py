@@ -38,37 +38,52 @@ from dataclasses import dataclass, field
 
 @dataclass
 class RoundCosts:
-    """Seconds per round at one batch size: plain steps, and a line through drafting rounds."""
+    """What rounds cost at one batch size: seconds per plain step, and a line through drafting
+    rounds kept in plain steps (a round's seconds over the plain step's at the time).  A machine
+    whose speed swings (other work on it) moves both alike, so their ratio is what stays true
+    between a plain stretch and drafting rounds measured minutes apart; a run of drafting rounds
+    off their estimate says the speed moved, and asks for plain steps to be measured again."""
 
     smoothing: float = 0.2  # EMA weight of a new round time
     fit_decay: float = 0.95  # for the line through drafting round times (about twenty rounds)
     outlier: float = 2.0  # a round slower than this many times its estimate is a stall, not a cost...
     max_stalls: int = 3  # ... unless it is the fourth such round in a row
-    times: dict = field(default_factory=dict)  # depth -> EMA seconds per round (0: per plain step)
+    drift: float = 1.25  # drafting rounds this far off their estimate, three in a row: the speed moved
+    times: dict = field(default_factory=dict)  # depth -> EMA (0: seconds per plain step; k > 0: plain steps)
     plain_age: int = 0  # drafting rounds timed since plain steps were
+    stale: bool = False  # plain steps should be measured again (the machine's speed moved)
     _fit: list = field(default_factory=lambda: [0.0] * 5)  # decayed sums: weight, k, k^2, t, k*t
     _stalls: int = 0
+    _drifted: int = 0
 
     @property
     def plain(self) -> float | None:
         return self.times.get(0)
 
     def observe(self, k: int, seconds: float) -> None:
-        expected = self.round_time(k, self.line())
-        if expected and seconds > self.outlier * expected and self._stalls < self.max_stalls:
+        unit = 1.0 if k == 0 or not self.plain else self.plain
+        value = seconds / unit
+        expected = self._relative(k, self.line())
+        if expected and value > self.outlier * expected and self._stalls < self.max_stalls:
             self._stalls += 1  # a stall elsewhere on the machine says nothing about depths
             return
         self._stalls = 0  # (several in a row: the machine did get slower, and the estimates follow)
+        if k and expected:
+            off = value > self.drift * expected or value * self.drift < expected
+            self._drifted = self._drifted + 1 if off else 0
+            if self._drifted >= 3:
+                self.stale, self._drifted = True, 0
         previous = self.times.get(k)
-        self.times[k] = seconds if previous is None else previous + self.smoothing * (seconds - previous)
+        self.times[k] = value if previous is None else previous + self.smoothing * (value - previous)
         if k == 0:
-            self.plain_age = 0
+            self.plain_age, self.stale = 0, False
             return
         self.plain_age += 1
-        self._fit = [self.fit_decay * a + b for a, b in zip(self._fit, (1.0, k, k * k, seconds, k * seconds))]
+        self._fit = [self.fit_decay * a + b for a, b in zip(self._fit, (1.0, k, k * k, value, k * value))]
 
     def line(self) -> tuple[float, float] | None:
-        """(intercept, seconds per draft) fitted to recent drafting rounds, once two depths were seen."""
+        """(intercept, cost per draft), in plain steps, fitted to recent drafting rounds once two
+        depths were seen."""
         w, sk, skk, st, skt = self._fit
         spread = w * skk - sk * sk
         if w <= 0 or spread <= 1e-9 * w * w:
@@ -77,15 +92,22 @@ class RoundCosts:
         return (st - slope * sk) / w, slope
 
     def round_time(self, k: int, line: tuple[float, float] | None) -> float | None:
-        """t(k); ``line``: ``line()``, computed once by the caller for all depths."""
+        """t(k) in seconds; ``line``: ``line()``, computed once by the caller for all depths."""
         if k == 0:
             return self.plain
+        relative = self._relative(k, line)
+        return None if relative is None else relative * (self.plain or 1.0)
+
+    def _relative(self, k: int, line) -> float | None:
+        """t(k) in plain steps (k = 0: 1 by definition, once known)."""
+        if k == 0:
+            return 1.0 if self.plain else None
         if line is not None:  # every drafting round informs every depth: one noisy round moves little
             return line[0] + line[1] * k
-        drafting = sorted((d, t) for d, t in self.times.items() if d > 0)
         if k in self.times:
             return self.times[k]
-        points = drafting if len(drafting) >= 2 else ([(0, self.plain)] if self.plain else []) + drafting
+        drafting = sorted((d, t) for d, t in self.times.items() if d > 0)
+        points = drafting if len(drafting) >= 2 else ([(0, 1.0)] if self.plain else []) + drafting
         if len(points) >= 2:
             (k0, t0), (k1, t1) = points[0], points[-1]
             return t0 + max((t1 - t0) / (k1 - k0), 0.0) * (k - k0)
@@ -201,18 +223,18 @@ class DepthController:
         return 0 not in rates or drafting >= self.trial_gap * rates[0]
 
     def _measure_plain(self) -> bool:
-        """True while plain steps are being measured: before any drafting round when no plain
-        time is known (a second try when the first stretch compiled its graph and so went untimed), and again
-        when the last measurement is ``refresh_every`` drafting rounds old."""
+        """True while plain steps are being measured: before any drafting round when no plain time
+        is known (a second try when the first stretch compiled its graph and so went untimed), and
+        again when the last measurement is ``refresh_every`` drafting rounds old."""
         if not self._measure:
             unknown = self.costs.plain is None and (self._measurements == 0 or self._untimed_plain)
             if unknown and self._measurements >= 2:  # never timed (compiles every time): draft without it
                 unknown = False
-            if unknown or self.costs.plain_age >= self.refresh_every:
+            if unknown or self.costs.stale or self.costs.plain_age >= self.refresh_every:
                 self._measure = self.plain_steps
                 self._measurements += unknown
                 self._untimed_plain = False
-                self.costs.plain_age = 0  # one controller of the batch size measures; the others need not
+                self.costs.plain_age, self.costs.stale = 0, False  # one controller measures; the others need not
         if self._measure:
             self._measure -= 1
             return True

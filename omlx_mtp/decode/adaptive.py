@@ -134,6 +134,7 @@ class DepthController:
     prior_successes: float = 1.5
     prior_trials: float = 2.0
     explore_every: int = 8
+    reach: int = 2  # depths chosen at most this many drafts past the deepest one measured
     trial_rounds: int = 4  # drafting rounds after an accepted probe, before plain may win again
     trial_gap: float = 0.9  # ... opened only where drafting's estimated rate is within this of plain's
     plain_steps: int = 4  # plain steps measured before the first drafting round, and at each refresh
@@ -211,9 +212,13 @@ class DepthController:
         return best
 
     def _rates(self) -> tuple[dict, dict]:
-        """(t(k), E(k) / t(k)) for the depths whose time is known or can be estimated."""
+        """(t(k), E(k) / t(k)) for the depths whose time is known or can be estimated — at most
+        ``reach`` drafts deeper than any depth measured: a line through shallow rounds says little
+        far beyond them."""
         line = self.costs.line()
-        times = {k: t for k in range(self.max_depth + 1) if (t := self.costs.round_time(k, line)) is not None}
+        deepest = max((k for k in self.costs.times if k > 0), default=self.start_depth - 1)
+        times = {k: t for k in range(min(self.max_depth, deepest + self.reach) + 1)
+                 if (t := self.costs.round_time(k, line)) is not None}
         return times, {k: expected / times[k] for k, expected in enumerate(self.expected_tokens()) if k in times}
 
     def _within_reach(self) -> bool:

@@ -37,7 +37,8 @@ def _median_ms(fn, repeats: int = 20) -> float:
 def component_costs(session: Session, prompt: list[int], K: int, batch: int = 1, temp: float = 0.0,
                     repeats: int = 20) -> dict:
     """Milliseconds for one verify of K+1 positions and one draft step, for ``batch`` rows; the
-    draft step the loop runs at ``temp`` (a sampled one draws from, and returns, its distribution)."""
+    draft step the loop runs at ``temp`` (an assistant's sampled step draws from, and returns, its
+    distribution; a head with its own cache is timed by its one step, whatever the temperature)."""
     target = session.target
     cache = target.make_cache(batch, slack=max(len(prompt), K + 1))
     hidden = target.hidden(mx.array([prompt] * batch), cache)
@@ -145,7 +146,8 @@ def _with_bounds(entries: list[dict], costs: dict, K) -> None:
     no_draft = next(e["tokens_per_second"] for e in entries if e["engine"] == NO_DRAFT)
     for entry in entries:
         entry["speedup_vs_no_draft"] = entry["tokens_per_second"] / no_draft if no_draft else 0.0
-        if K == "auto" or entry["engine"] in BASELINES or "tokens_per_round" not in entry or entry["engine"] == PEER:
+        if (K == "auto" or entry["engine"] in BASELINES or "tokens_per_round" not in entry or entry["engine"] == PEER
+                or not costs.get("decode_ms")):  # (no decode time: every request ended at its first token)
             continue
         draft_ms = 0.0 if entry["engine"] == "oracle" else costs.get("draft_ms", 0.0)
         bound = speedup_bound(entry["tokens_per_round"], K, costs, draft_ms)
@@ -160,7 +162,7 @@ BASELINES = ("plain", NO_DRAFT)  # engines that never draft
 def _entry(name: str, temp: float, K, batch: int, tps: float, plain_tps: float) -> dict:
     """One result, as the JSON's ``results`` list carries it."""
     return {"engine": name, "temp": temp, "draft_tokens": 0 if name in BASELINES else K, "batch": batch,
-            "tokens_per_second": tps, "speedup_vs_plain": tps / plain_tps}
+            "tokens_per_second": tps, "speedup_vs_plain": tps / plain_tps if plain_tps else 0.0}
 
 
 def _run_peer(peer, request, temp, K, seed) -> dict:
@@ -221,7 +223,7 @@ def _bench_batch(session, requests, K, temp, continuation, repeats, say, scripte
             entry.update(acceptance_rate=stats[name].acceptance_rate, tokens_per_round=stats[name].tokens_per_round)
         results.append(entry)
     costs = component_costs(session, list(requests[0].prompt), K, len(requests), temp) if K != "auto" else {}
-    costs["decode_ms"] = 1000 * len(requests) / plain_tps  # one step of the whole batch, mlx-lm's
+    costs["decode_ms"] = 1000 * len(requests) / plain_tps if plain_tps else 0.0  # one step of the batch, mlx-lm's
     _with_bounds(results, costs, K)
     for entry in results:
         entry.update(costs)
@@ -252,7 +254,7 @@ def _drive(generator, requests):
                     done.add(response.uid)
         if started is None and all(tokens[u] or u in done for u in uids):
             started, before = time.perf_counter(), sum(len(t) for t in tokens.values())
-    seconds = time.perf_counter() - started
+    seconds = time.perf_counter() - started if started is not None else 0.0
     after = sum(len(t) for t in tokens.values()) - before
     return [tokens[u] for u in uids], after / seconds if seconds > 0 else 0.0, generator
 
@@ -289,7 +291,7 @@ def _bench_depth(session, requests, K, temp, continuation, repeats, say, peer=No
                 peer_stats.append(out)
     plain_tps = statistics.median(engines["plain"])
     costs = component_costs(session, list(requests[0].prompt), K, temp=temp) if K != "auto" else {}
-    costs["decode_ms"] = 1000 / plain_tps  # t_decode is a plain mlx-lm step
+    costs["decode_ms"] = 1000 / plain_tps if plain_tps else 0.0  # t_decode is a plain mlx-lm step
     results = []
     for name, values in engines.items():
         entry = _entry(name, temp, K, 1, statistics.median(values), plain_tps)

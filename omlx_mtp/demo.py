@@ -128,6 +128,7 @@ def _summary(label: str, results: list[dict]) -> dict:
         return statistics.median(r[name]["tokens_per_second"] / r[over] for r in results)
 
     auto_rounds = statistics.median(r["mtp"]["tokens_per_round"] for r in results)
+    drafts_good = statistics.median(r["fixed"]["acceptance_rate"] for r in results) >= 0.5  # costs, not drafts
     return {
         "pair": label,
         "identical_at_T0": all(r["identical_at_T0"] for r in results),
@@ -135,6 +136,6 @@ def _summary(label: str, results: list[dict]) -> dict:
         "median_speedup_mtp_vs_no_draft": median_ratio("mtp", "no_draft_tokens_per_second"),
         "median_speedup_fixed": median_ratio("fixed"),
         "median_speedup_oracle_drafter": median_ratio("oracle"),
-        "mostly_plain": MTPSettings.mtp_draft_tokens == "auto" and auto_rounds < 1.2,
+        "mostly_plain": MTPSettings.mtp_draft_tokens == "auto" and auto_rounds < 1.2 and drafts_good,
         "prompts": results,
     }

@@ -3,7 +3,8 @@
 Every output tensor's shard and offset is planned from the lazy graph first (nothing computed),
 then tensors are read from their files a few rows at a time, quantized on one mlx stream per core
 and written at their offsets by a writer thread, the three overlapping, so memory holds a few
-pieces of a few MB whatever the model or its largest tensor.  The trunk is
+pieces of a few MB whatever the model or its largest tensor (a tensor a sanitizer transformed is
+read whole and converted alone).  The trunk is
 quantized the way mlx-lm's own converter does it (same modules, same per-module predicate, same
 ``quantization`` config, so plain ``mlx_lm.load`` loads it); MTP tensors — found through the one
 registry in ``mtp_tensors`` — are kept, in ``--dtype`` or at ``--mtp-bits``.  A Gemma 4 assistant
@@ -246,6 +247,13 @@ class _Writer:
                 except BaseException as exc:  # raised in the producer's thread
                     self._error = exc
             item = None  # the piece's memory is freed here, not at the next get
+            self._queue.task_done()
+        self._queue.task_done()
+
+    def drain(self) -> None:
+        """Wait until every piece handed over is written (and its memory freed)."""
+        self._queue.join()
+        self._raise_error()
 
     def _raise_error(self):
         if isinstance(self._error, OSError):
@@ -328,9 +336,16 @@ def _convert_all(jobs: deque, dtype, bar) -> None:
     in_flight: deque = deque()
     try:
         for n, (job, first, last) in enumerate(_pieces(jobs)):
+            whole = last is None  # a tensor mlx-lm or mlx-vlm transformed is read whole: one at a time,
+            if whole:  # nothing else in flight or queued, so memory stays near that one tensor
+                while in_flight:
+                    bar.update(_finish_piece(in_flight.popleft(), writer))
+                writer.drain()
             in_flight.append(_start_piece(job, first, last, reader, dtype, streams[n % len(streams)]))
-            if len(in_flight) > depth:
+            if whole or len(in_flight) > depth:
                 bar.update(_finish_piece(in_flight.popleft(), writer))
+                if whole:
+                    writer.drain()
         while in_flight:
             bar.update(_finish_piece(in_flight.popleft(), writer))
         writer.finish()
@@ -466,21 +481,21 @@ def _sources(src: Path, config: dict, options: QuantizeOptions, default: dict, a
         predicate = getattr(model, "quant_predicate", None)
     modules = dict(model.named_modules()) if model is not None else {}
     files = _file_tensors(src)
-    in_file = {id(array): files[name] for name, array in lazy.items()}  # `lazy` keeps these ids alive
+    in_file = {id(array): files[name] for name, array in lazy.items() if name in files}  # `lazy` keeps the ids alive
 
     sources = deque()
     for name, array in trunk.items():
         sources.append((name, array, _trunk_scheme(name, array, modules, predicate, default), False,
                         in_file.get(id(array))))
     for name, array in mtp.items():
-        sources.append((name, array, _mtp_scheme(name, array, options, head=False), True, in_file[id(array)]))
+        sources.append((name, array, _mtp_scheme(name, array, options, head=False), True, in_file.get(id(array))))
     if assistant is not None:
         prefix = mtp_prefix(config)
         assistant_files = _file_tensors(assistant)
         for name, array in _assistant_tensors(assistant).items():
             head = name == "model.embed_tokens.weight"
             sources.append((prefix + name, array, _mtp_scheme(name, array, options, head=head), True,
-                            assistant_files[name]))
+                            assistant_files.get(name)))
     return sources
 
 

@@ -50,7 +50,7 @@ class SettingsError(MTPError):
 class MTPSettings:
     mtp_enabled: bool = False
     mtp_drafter: str | None = None
-    mtp_draft_tokens: int | str = "auto"  # never slower than not drafting; a fixed depth drafts whatever it costs
+    mtp_draft_tokens: int | str = "auto"  # plain decoding where drafting would lose; a fixed depth drafts whatever it costs
     mtp_max_draft_tokens: int = 8
     mtp_query_position: str = "bonus"
     mtp_min_acceptance: float = 0.3

@@ -285,3 +285,22 @@ def test_scripted_accuracy_drafts_are_right_at_their_rate_and_stay_lossless(pair
     pooled = DecodeStats.pooled(r.stats for r in rows)
     expected = sum(accuracy**n for n in range(1, 4)) / 3  # accepted drafts per draft, E[min(first error, 3)] / 3
     assert pooled.acceptance_rate == pytest.approx(expected, abs=0.08)
+
+
+def test_plain_steps_of_seconds_are_costs_and_one_plain_spike_is_a_stall():
+    """Plain steps are judged in seconds: a slow model's 3 s steps are its cost, not stalls, while
+    one step ten times its neighbours (a stall elsewhere) is left out."""
+    from omlx_mtp.decode.adaptive import RoundCosts
+
+    costs = RoundCosts()
+    for _ in range(8):
+        costs.observe(0, 3.0)
+    assert costs.plain == pytest.approx(3.0)
+    costs.observe(0, 4.0)  # slower steps within twice the estimate are costs
+    costs.observe(0, 4.0)
+    assert costs.plain == pytest.approx(3.36)
+    costs.observe(0, 30.0)
+    assert costs.plain == pytest.approx(3.36)
+    for _ in range(4):  # ... but a machine that stays ten times slower is followed
+        costs.observe(0, 30.0)
+    assert costs.plain > 3.0

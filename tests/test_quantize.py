@@ -328,3 +328,32 @@ def test_mtp_registry(name, config, family):
     from omlx_mtp.mtp_tensors import mtp_family
 
     assert mtp_family(name, config) == family
+
+
+def test_tensors_read_whole_go_one_at_a_time(gemma_pair, tmp_path, monkeypatch):
+    """A tensor without a file region (transformed by a sanitizer, or a multimodal trunk that
+    mlx-vlm loads itself) is read whole: it is never in flight beside another, so memory stays
+    near one tensor; the bytes are those of the piece-wise path."""
+    from omlx_mtp import quantize as quantize_module
+
+    target, assistant = gemma_pair
+    options = quantize_module.QuantizeOptions(group_size=32, mtp_bits=8)
+    pieces = quantize_module.quantize(target, tmp_path / "pieces", options, assistant=assistant, progress=False)
+    monkeypatch.setattr(quantize_module, "_file_tensors", lambda directory: {})  # every tensor read whole
+    in_flight, most = [0], [0]
+    start, finish = quantize_module._start_piece, quantize_module._finish_piece
+
+    def counting_start(*args, **kwargs):
+        in_flight[0] += 1
+        most[0] = max(most[0], in_flight[0])
+        return start(*args, **kwargs)
+
+    def counting_finish(*args, **kwargs):
+        in_flight[0] -= 1
+        return finish(*args, **kwargs)
+
+    monkeypatch.setattr(quantize_module, "_start_piece", counting_start)
+    monkeypatch.setattr(quantize_module, "_finish_piece", counting_finish)
+    whole = quantize_module.quantize(target, tmp_path / "whole", options, assistant=assistant, progress=False)
+    assert most[0] == 1
+    assert digest(whole) == digest(pieces)

@@ -13,10 +13,11 @@ keeps drafting where drafting loses.  So plain steps are measured before the fir
 and again every ``refresh_every`` drafting rounds; the costs (``RoundCosts``) belong to a batch size,
 not a request, so every request of a server shares what earlier ones measured.
 
-t(k) for drafting rounds comes from a line fitted to recent rounds of all depths (one noisy round
-then moves every estimate a little instead of one estimate a lot); a round slower than three times
-its estimate is taken for a stall elsewhere on the machine and left out, unless several come in
-a row (then the machine did get slower).  The s_i are decayed counts,
+t(k) for drafting rounds comes from a line fitted to recent rounds of all depths, kept in plain
+steps (one noisy round then moves every estimate a little instead of one estimate a lot); a round
+slower than twice its estimate is taken for a stall elsewhere on the machine and left out, unless
+several come in a row (then the machine did get slower); three rounds in a row 25% off their
+estimate ask for plain steps to be measured again.  The s_i are decayed counts,
 each position leaning on the one before it while it has few trials, with a prior worth two drafts at
 75%, so one unlucky round does not send a good drafter away while a few rejected rounds stop a
 useless one.  Every ``explore_every`` drafting rounds one goes a draft deeper than the best, so
@@ -53,7 +54,7 @@ class RoundCosts:
     plain_age: int = 0  # drafting rounds timed since plain steps were
     stale: bool = False  # plain steps should be measured again (the machine's speed moved)
     _fit: list = field(default_factory=lambda: [0.0] * 5)  # decayed sums: weight, k, k^2, t, k*t
-    _stalls: int = 0
+    _stalls: list = field(default_factory=lambda: [0, 0])  # in a row: plain steps, drafting rounds
     _drifted: int = 0
 
     @property
@@ -61,13 +62,18 @@ class RoundCosts:
         return self.times.get(0)
 
     def observe(self, k: int, seconds: float) -> None:
-        unit = 1.0 if k == 0 or not self.plain else self.plain
-        value = seconds / unit
-        expected = self._relative(k, self.line())
-        if expected and value > self.outlier * expected and self._stalls < self.max_stalls:
-            self._stalls += 1  # a stall elsewhere on the machine says nothing about depths
+        if k == 0:
+            if self.plain is None and self.drafting_known:  # those rounds were kept in seconds: start over
+                self.times = {}
+                self._fit = [0.0] * 5
+            value, expected = seconds, self.plain
+        else:
+            value, expected = seconds / (self.plain or 1.0), self._relative(k, self.line())
+        kind = int(k > 0)
+        if expected and value > self.outlier * expected and self._stalls[kind] < self.max_stalls:
+            self._stalls[kind] += 1  # a stall elsewhere on the machine says nothing about depths
             return
-        self._stalls = 0  # (several in a row: the machine did get slower, and the estimates follow)
+        self._stalls[kind] = 0  # (several in a row: the machine did get slower, and the estimates follow)
         if k and expected:
             off = value > self.drift * expected or value * self.drift < expected
             self._drifted = self._drifted + 1 if off else 0
@@ -103,7 +109,7 @@ class RoundCosts:
         if k == 0:
             return 1.0 if self.plain else None
         if line is not None:  # every drafting round informs every depth: one noisy round moves little
-            return line[0] + line[1] * k
+            return max(line[0] + line[1] * k, 0.1)  # (a noisy fit's intercept can fall below zero)
         if k in self.times:
             return self.times[k]
         drafting = sorted((d, t) for d, t in self.times.items() if d > 0)
@@ -201,8 +207,7 @@ class DepthController:
             rates.pop(0, None)
         best = max(rates, key=rates.get)
         if best == 0 or (0 in rates and rates[best] < self.margin * rates[0]):
-            perfect = max((k + 1) / t for k, t in times.items() if k > 0)
-            self._hopeless = perfect < self.margin * rates[0]
+            self._hopeless = self._perfect_rate() < self.margin * rates[0]
             return self._plain_or_probe()
         self._plain_rounds, self._wait, self._hopeless = 0, 0, False
         self._since_explore += 1
@@ -220,6 +225,13 @@ class DepthController:
         times = {k: t for k in range(min(self.max_depth, deepest + self.reach) + 1)
                  if (t := self.costs.round_time(k, line)) is not None}
         return times, {k: expected / times[k] for k, expected in enumerate(self.expected_tokens()) if k in times}
+
+    def _perfect_rate(self) -> float:
+        """Tokens per second were every draft right, at the best depth up to ``max_depth`` (the
+        line extrapolated: whether drafting could ever win here, not which depth to try next)."""
+        line = self.costs.line()
+        times = {k: self.costs.round_time(k, line) for k in range(1, self.max_depth + 1)}
+        return max(((k + 1) / t for k, t in times.items() if t), default=0.0)
 
     def _within_reach(self) -> bool:
         """Whether drafting, at the acceptance now estimated, comes within ``trial_gap`` of plain."""

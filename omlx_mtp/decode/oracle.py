@@ -42,8 +42,8 @@ class ScriptedAccuracyDecoder(SpeculativeDecoder):
     """Realistic acceptance at real scale, for benchmarks: the real drafter runs every draft step
     (its cost is paid, its graph evaluated with the round's), then its greedy drafts are replaced by
     the target's own continuation, each draft right with probability ``accuracy`` independently of
-    the others — a round of K keeps n drafts with probability a^n (1 - a) (n < K), its error at a
-    random position.  A wrong draft is a token the target would not emit.  Rows that sample keep
+    the others — a round of K keeps n drafts with probability a^n (1 - a) (n < K): the first wrong
+    draft ends what is kept.  A wrong draft is a token the target would not emit.  Rows that sample keep
     their drafter's drafts (a scripted token was not drawn from q, and acceptance needs it)."""
 
     def __init__(self, target, drafter, continuations: dict, accuracy: float, seed: int = 0, **kwargs):
@@ -63,7 +63,10 @@ class ScriptedAccuracyDecoder(SpeculativeDecoder):
         return mx.where(greedy & (drafts >= 0), scripted, drafts), q
 
     def _script(self, row, K: int) -> list[int]:
-        reference = self.continuations.get(tuple(row.request.prompt), [])
+        reference = self.continuations.get(tuple(row.request.prompt))
+        if reference is None:
+            raise KeyError("ScriptedAccuracyDecoder: no continuation for this prompt (run it through plain "
+                           "decoding first and pass the tokens in `continuations`)")
         done = len(row.generated)
         out = []
         for i in range(K):

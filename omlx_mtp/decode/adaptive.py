@@ -201,7 +201,7 @@ class DepthController:
             return min(self.start_depth, self.max_depth)
         if self.acceptance < self.min_acceptance:
             return self._plain_or_probe()
-        times, rates = self._rates()
+        rates = self._rates()
         if self._trial:  # after an accepted probe: draft a few rounds and let them speak
             self._trial -= 1
             rates.pop(0, None)
@@ -216,26 +216,26 @@ class DepthController:
             return best + 1
         return best
 
-    def _rates(self) -> tuple[dict, dict]:
-        """(t(k), E(k) / t(k)) for the depths whose time is known or can be estimated — at most
-        ``reach`` drafts deeper than any depth measured: a line through shallow rounds says little
-        far beyond them."""
+    def _times(self, deepest: int) -> dict:
+        """t(k) for k in 0..deepest whose time is known or can be estimated."""
         line = self.costs.line()
-        deepest = max((k for k in self.costs.times if k > 0), default=self.start_depth - 1)
-        times = {k: t for k in range(min(self.max_depth, deepest + self.reach) + 1)
-                 if (t := self.costs.round_time(k, line)) is not None}
-        return times, {k: expected / times[k] for k, expected in enumerate(self.expected_tokens()) if k in times}
+        return {k: t for k in range(deepest + 1) if (t := self.costs.round_time(k, line)) is not None}
+
+    def _rates(self) -> dict:
+        """E(k) / t(k) for the depths whose time is known or can be estimated — at most ``reach``
+        drafts deeper than any depth measured: a line through shallow rounds says little far beyond them."""
+        measured = max((k for k in self.costs.times if k > 0), default=self.start_depth - 1)
+        times = self._times(min(self.max_depth, measured + self.reach))
+        return {k: expected / times[k] for k, expected in enumerate(self.expected_tokens()) if k in times}
 
     def _perfect_rate(self) -> float:
         """Tokens per second were every draft right, at the best depth up to ``max_depth`` (the
         line extrapolated: whether drafting could ever win here, not which depth to try next)."""
-        line = self.costs.line()
-        times = {k: self.costs.round_time(k, line) for k in range(1, self.max_depth + 1)}
-        return max(((k + 1) / t for k, t in times.items() if t), default=0.0)
+        return max(((k + 1) / t for k, t in self._times(self.max_depth).items() if k > 0 and t), default=0.0)
 
     def _within_reach(self) -> bool:
         """Whether drafting, at the acceptance now estimated, comes within ``trial_gap`` of plain."""
-        _, rates = self._rates()
+        rates = self._rates()
         drafting = max((r for k, r in rates.items() if k > 0), default=0.0)
         return 0 not in rates or drafting >= self.trial_gap * rates[0]
 

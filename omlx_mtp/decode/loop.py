@@ -490,19 +490,19 @@ class SpeculativeDecoder:
         """A plain stretch's (token, hidden) pairs into the drafter's own cache in one forward, not
         one per step: a head's K/V at a position depend on that position's input alone, so one
         forward of the stretch writes what the steps would have, for the cost of about one step.
-        Its tables are taken back to where the stretch began, written, and advanced again."""
+        Its tables are taken back to where the stretch began, then written and advanced a chunk at
+        a time (a ring takes at most its slack in one forward)."""
         if not self.own_cache:
             return
         own = cache[self.target_caches :]
-        if any(table.capacity is not None for table in caches.tables_of(own)):  # a ring: one pair at a time
-            for length_back, (token, hidden) in zip(range(len(fed), 0, -1), fed):
-                caches.commit(own, [n - length_back for n in caches.lengths_of(own)])
-                self._absorb(cache, token, hidden)
-                caches.advance(own, length_back)
-            return
+        tables = caches.tables_of(own)
+        chunk = min((t.capacity - t.window for t in tables if t.capacity is not None), default=len(fed))
         caches.commit(own, [n - len(fed) for n in caches.lengths_of(own)])
-        self._absorb(cache, mx.concatenate([t for t, _ in fed], axis=1), mx.concatenate([h for _, h in fed], axis=1))
-        caches.advance(own, len(fed))
+        for start in range(0, len(fed), chunk):
+            pairs = fed[start : start + chunk]
+            self._absorb(cache, mx.concatenate([t for t, _ in pairs], axis=1),
+                         mx.concatenate([h for _, h in pairs], axis=1))
+            caches.advance(own, len(pairs))
 
     def cache_at(self, cache: list, pending: mx.array, length: int) -> list:
         """A one-row cache cut back to ``length`` tokens, or grown by feeding ``pending`` [1]

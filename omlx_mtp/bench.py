@@ -353,35 +353,9 @@ def run_bench(model=None, drafter=None, draft_tokens=(1, 2, 3, 4), max_tokens=12
               target_bits=None, head_bits=None) -> int:
     if plot:
         _pyplot()  # refuse before a long run, not after it
-    from .demo import demo_pair
-    from .peer import peer_available, prepare_peer
-
     with tempfile.TemporaryDirectory(prefix="omlx-mtp-bench-") as tmp:
-        peer, peer_note = None, peer_available()
-        if synthetic is not None:
-            from .fixtures.synthetic import synthetic_pair
-
-            target, assistant = synthetic_pair(synthetic, synthetic_layers, dtype, target_bits, head_bits)
-            session = Session(target, None, assistant)
-            label = f"{synthetic} ({synthetic_layers} target layers, random weights, {dtype}"
-            label += f", target {target_bits}-bit" if target_bits else ""
-            label += f", assistant head {head_bits}-bit)" if head_bits else ")"
-            peer_note = peer_note or "a synthetic pair has no checkpoint for mlx-vlm to load"
-        else:
-            if target_bits or head_bits:
-                from .errors import MTPError
-
-                raise MTPError("bench: --target-bits and --head-bits apply to --synthetic models "
-                               "(quantize a checkpoint with omlx-mtp quantize)")
-            if model is None:
-                model, drafter, label = demo_pair(Path(tmp) / "pair")
-            else:
-                label = f"{model} + {drafter}"
-            session = Session.load(model, drafter)
-            if peer_note is None and not session.target.family.startswith("Gemma 4"):
-                peer_note = f"the peer is run on Gemma 4 pairs only, not {session.target.family}"
-            if peer_note is None:
-                peer = prepare_peer(model, drafter, Path(tmp) / "peer")
+        session, label, peer, peer_note = _bench_session(Path(tmp), model, drafter, synthetic, synthetic_layers,
+                                                         dtype, target_bits, head_bits)
         print(f"omlx-mtp bench — {label}")
         print(f"regime: {regime()}, dtype {session.target.dtype}")
         print(f"mlx-vlm MTP: {'mlx-vlm ' + peer.version if peer is not None else 'not run: ' + peer_note}")
@@ -398,6 +372,33 @@ def run_bench(model=None, drafter=None, draft_tokens=(1, 2, 3, 4), max_tokens=12
         plot_speedups(results, plot, f"{label}\n{regime()}")
         print(f"wrote {plot}")
     return 0
+
+
+def _bench_session(tmp: Path, model, drafter, synthetic, synthetic_layers, dtype, target_bits, head_bits):
+    """(session, label, loaded mlx-vlm peer or None, why the peer is not run)."""
+    from .demo import demo_pair
+    from .peer import peer_available, prepare_peer
+
+    peer, peer_note = None, peer_available()
+    if synthetic is not None:
+        from .fixtures.synthetic import synthetic_pair
+
+        target, assistant = synthetic_pair(synthetic, synthetic_layers, dtype, target_bits, head_bits)
+        label = f"{synthetic} ({synthetic_layers} target layers, random weights, {dtype}"
+        label += f", target {target_bits}-bit" if target_bits else ""
+        label += f", assistant head {head_bits}-bit)" if head_bits else ")"
+        why = peer_note or "a synthetic pair has no checkpoint for mlx-vlm to load"
+        return Session(target, None, assistant), label, None, why
+    if model is None:
+        model, drafter, label = demo_pair(tmp / "pair")
+    else:
+        label = f"{model} + {drafter}"
+    session = Session.load(model, drafter)
+    if peer_note is None and not session.target.family.startswith("Gemma 4"):
+        peer_note = f"the peer is run on Gemma 4 pairs only, not {session.target.family}"
+    if peer_note is None:
+        peer = prepare_peer(model, drafter, tmp / "peer")
+    return session, label, peer, peer_note
 
 
 def _pyplot():

@@ -202,6 +202,9 @@ def cmd_bench(args) -> int:
         raise MTPError("bench: --drafter needs --model")
     if args.synthetic and args.model:
         raise MTPError("bench: --synthetic and --model exclude each other")
+    if (args.target_bits or args.head_bits) and not args.synthetic:
+        raise MTPError("bench: --target-bits and --head-bits apply to --synthetic models "
+                       "(quantize a checkpoint with omlx-mtp quantize)")
     try:
         depths = [k if k == "auto" else int(k) for k in args.draft_tokens.split(",")]
     except ValueError:

@@ -21,6 +21,7 @@ import mlx.core as mx
 from .linear_state import LinearStateCache
 
 _GROW = 256
+_GEOMETRIC_STEP = 512  # at most one re-trace per 512 tokens
 
 
 class SlotTable:
@@ -48,15 +49,16 @@ class SlotTable:
         return offsets[0] if all(o == offsets[0] for o in offsets) else mx.array(offsets, dtype=mx.int32)
 
     def size_for(self, L: int, current: int, geometric: bool = False) -> int:
-        """Slots a buffer needs before a forward of L tokens.  ``geometric``: grow by a quarter at
-        least, so that a compiled forward (traced again per buffer size) rarely sees a new one."""
+        """Slots a buffer needs before a forward of L tokens.  ``geometric``: grow by a quarter, at
+        most ``_GEOMETRIC_STEP`` slots ahead, so that a compiled forward (traced again per buffer
+        size) rarely sees a new one while long contexts hold little more K/V than plain decoding."""
         if self.capacity is not None:
             return self.capacity
         needed = max(self.lengths) + L
         if needed <= current:
             return current
         if geometric:
-            needed = max(needed, current + current // 4)
+            needed = max(needed, current + min(current // 4, _GEOMETRIC_STEP))
         return ((needed + _GROW - 1) // _GROW) * _GROW
 
     def plan(self, L: int, current: int):

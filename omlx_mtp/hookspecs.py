@@ -50,4 +50,6 @@ def omlx_load_drafter(model_id: str, model_path: str, model, settings: dict):
 def omlx_decode_strategy(model_id: str, model, drafter, settings: dict):
     """A decode strategy for this model, or None for plain decoding.  A strategy has a ``name``
     and ``batch_generator(plain_factory, **batch_generator_kwargs)`` returning an object with
-    the host's BatchGenerator API (see ``omlx_mtp.strategy.MTPStrategy``)."""
+    the host's BatchGenerator API (see ``omlx_mtp.strategy.MTPStrategy``).  A ``batch_generator``
+    that names a ``snapshot_interval`` parameter gets the host's paged-cache block size when the
+    host snapshots running requests' caches at block boundaries."""

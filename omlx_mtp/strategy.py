@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .decode.loop import QUERY_AT_BONUS, QUERY_AT_LAST, SpeculativeDecoder
+from .host.stats import MTPCounters
 from .targets import wrap_target
 from .settings import MTPSettings
 
@@ -14,6 +15,7 @@ class MTPStrategy:
     name: str
     decoder: SpeculativeDecoder
     settings: MTPSettings
+    stats: MTPCounters = field(default_factory=MTPCounters)  # outlives the host's generators
 
     @classmethod
     def build(cls, model, drafter, settings: MTPSettings) -> "MTPStrategy":
@@ -28,12 +30,14 @@ class MTPStrategy:
         depth = f"auto up to {s.mtp_max_draft_tokens}" if s.mtp_draft_tokens == "auto" else s.mtp_draft_tokens
         return f"draft tokens {depth}, query at {s.mtp_query_position}"
 
-    def batch_generator(self, plain_factory, **kwargs):
+    def batch_generator(self, plain_factory, snapshot_interval: int = 0, **kwargs):
         """A BatchGenerator for the host's scheduler that runs MTP rounds (``plain_factory`` and
-        ``kwargs``: the host's own BatchGenerator and its arguments, for requests MTP can't run)."""
+        ``kwargs``: the host's own BatchGenerator and its arguments, for requests MTP can't run;
+        ``snapshot_interval``: the host's paged-cache block size, where it snapshots caches)."""
         from .host.batch_generator import MTPBatchGenerator
 
-        return MTPBatchGenerator(self.decoder, plain_factory, **kwargs)
+        return MTPBatchGenerator(self.decoder, plain_factory, counters=self.stats, snapshot_interval=snapshot_interval,
+                                 **kwargs)
 
     def stream(self, requests, seed=None):
         """Yield (rows, new tokens per row) for a batch of ``decode.loop.Request``s."""

@@ -60,8 +60,8 @@ def run(generator, model, requests, insert_at=None, remove_at=None):
             if "stops" in r:
                 key, value = stops(r["stops"])
                 kwargs[key] = [value]
-            if "cache" in r:
-                kwargs["caches"] = [r["cache"]]
+            if "cache" in r:  # a cache, or a function that makes it at insert time
+                kwargs["caches"] = [r["cache"]() if callable(r["cache"]) else r["cache"]]
             (uid_of[i],) = generator.insert([r["prompt"][-1:]], **kwargs)
         by_uid = {u: i for i, u in uid_of.items()}
         for response in generator.next_generated():
@@ -194,25 +194,31 @@ def test_logits_processors_pure_and_stateful(pair_e2b, plain_runs):
     assert all(a != b for a, b in zip(ours[1][0], ours[1][0][1:]))
 
 
+class _Opaque(list):
+    pass  # a cache list whose layers the MTP loop cannot read
+
+
+class _Layer:
+    def __init__(self, inner):
+        self.__dict__["inner"] = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name, value):
+        setattr(self.inner, name, value)
+
+
+def unreadable(cache) -> list:
+    """The same cache behind layers of a type the MTP loop does not know (the host's loop runs it)."""
+    return _Opaque(_Layer(c) for c in cache)
+
+
 def test_unreadable_cache_decodes_plain_inside(pair_31b, plain_runs):
     pair = pair_31b
     requests, plain = plain_runs["31b"]
     requests = fresh(requests)[:3]
-
-    class Opaque(list):
-        pass  # a cache list whose layers the MTP loop cannot read
-
-    class Layer:
-        def __init__(self, inner):
-            self.__dict__["inner"] = inner
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-        def __setattr__(self, name, value):
-            setattr(self.inner, name, value)
-
-    requests[1]["cache"] = Opaque(Layer(c) for c in prefilled(pair.model, requests[1]["prompt"]))
+    requests[1]["cache"] = unreadable(prefilled(pair.model, requests[1]["prompt"]))
     ours = run(mtp_generator(pair, pair.drafter, K=2), pair.model, requests)
     for i in range(3):
         assert ours[i][:2] == plain[i][:2]

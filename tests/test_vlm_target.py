@@ -192,3 +192,17 @@ def test_compiled_forward_equals_op_by_op(vlm):
         results.append((logits, hidden))
     assert compiled.compiled.traces.made == 1
     assert mx.array_equal(results[0][0], results[1][0]) and mx.array_equal(results[0][1], results[1][1])
+
+
+def test_after_a_sparse_prefill(vlm):
+    """oMLX's SpecPrefill on the VLM engine: its RoPE wrappers sit on mlx-vlm's layers."""
+    from .test_sparse_prefill import _standin_sparse_prefill, decode, long_prompt
+
+    plain_model = vlm.target.plain_model()
+    prompt = long_prompt(vlm.spec.vocab_size - 16, seed=21)
+    expected = decode(lambda: BatchGenerator(plain_model), plain_model, prompt, _standin_sparse_prefill)[-1]
+    assert len(set(expected)) > 10
+    decoder = SpeculativeDecoder(vlm.target, vlm.drafter, draft_tokens=3)
+    got = decode(lambda: MTPBatchGenerator(decoder, BatchGenerator, model=plain_model), plain_model, prompt,
+                 _standin_sparse_prefill)
+    assert got[-1] == expected

@@ -13,6 +13,7 @@ hidden state at the position that produced it.  One round:
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -96,11 +97,37 @@ class RowState:
     stop_token: int | None = None  # the token that ended the row ("stop"); not in ``generated``
     prompt_length: int = 0  # tokens in the target cache before the first generated one
     pending_depth: int | None = None  # a depth the controller chose during a plain stretch
+    snapshot_interval: int = 0  # the host snapshots caches at multiples of this many tokens (0: never)
+    sparse: bool = False  # prompt prefilled sparsely (SpecPrefill): its cache holds fewer tokens than the request
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt and emitted tokens: what a running row's cache holds once its bonus is fed."""
+        return self.prompt_length + len(self.generated)
 
     @property
     def cache_length(self) -> int:
         """Tokens a finished row's cache holds: prompt and everything emitted (stop included)."""
-        return self.prompt_length + len(self.generated) + (self.stop_token is not None)
+        return self.num_tokens + (self.stop_token is not None)
+
+    @property
+    def takes_snapshots(self) -> bool:
+        """Whether the host may snapshot this row at boundaries: not when its cache holds fewer
+        tokens than the request (a sparse prefill), where no boundary would be filed right."""
+        return self.snapshot_interval > 0 and not self.sparse
+
+    @property
+    def until_snapshot(self) -> float:
+        """Tokens this row may emit before its next snapshot boundary (inf: it takes none).  Rounds
+        end there, so the host, reading the row after a step, finds it exactly on the boundary."""
+        if not self.takes_snapshots:
+            return math.inf
+        return self.snapshot_interval - self.num_tokens % self.snapshot_interval
+
+    @property
+    def at_snapshot(self) -> bool:
+        """A running row sitting exactly on a snapshot boundary."""
+        return self.finish_reason is None and self.takes_snapshots and self.num_tokens % self.snapshot_interval == 0
 
     @property
     def one_token_per_round(self) -> bool:
@@ -252,9 +279,12 @@ class LiveBatch:
         wanted = self._depths(rows)
         remaining = max(row.request.max_tokens - len(row.generated) for row in rows)
         K = max(0, min(max(wanted), self.max_depth, remaining - 1))
+        # Each row's round ends at the latest on its next snapshot boundary (without snapshots
+        # caps are min(w, K) and K stays as it is).
+        caps = [min(w, K, row.until_snapshot - 1) for w, row in zip(wanted, rows)]
+        K = max(caps)
         if K == 0 and not any(row.processors.stateful for row in rows):
-            return self._plain_stretch(min(self.max_plain_stretch, remaining))
-        caps = [min(w, K) for w in wanted]
+            return self._plain_stretch(min(self.max_plain_stretch, remaining, *(row.until_snapshot for row in rows)))
         started, traces = time.perf_counter(), self.decoder.traces_made
         drafts, n, bonus, hidden, self.logits = self.decoder._round(
             rows, self.cache, self.bonus, self.hidden, K, self._split_key(), caps)
@@ -335,7 +365,8 @@ class LiveBatch:
     def final_cache(self, row: RowState) -> list:
         """A one-row copy of the row's cache holding exactly its prompt and every token it
         emitted, a stop token included — the cache mlx-lm's BatchGenerator hands back when a
-        request finishes.  Accepted drafts past a stop are cut; a pending bonus is fed."""
+        request finishes (or extracts from a running one).  Accepted drafts past a stop are cut;
+        a pending bonus is fed.  The batch's own cache is left as it is."""
         slot = next(i for i, r in enumerate(self.rows) if r is row)
         cache = caches.select_rows(self.cache, [slot])
         return self.decoder.cache_at(cache, self.bonus[slot : slot + 1], row.cache_length)

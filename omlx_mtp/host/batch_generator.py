@@ -28,6 +28,8 @@ from ..decode.loop import DecodeStats, Request, SpeculativeDecoder
 
 from ..decode.sampling import SamplingParams, log_softmax
 from ..errors import MTPError
+from .sparse_prefill import SparsePrefill, take_sparse_prefill
+from .stats import CACHE, LOGITS_PROCESSOR, SAMPLER, MTPCounters, rounds_since
 
 log = logging.getLogger("omlx_mtp")
 
@@ -37,10 +39,14 @@ class MTPBatchGenerator:
 
     def __init__(self, decoder: SpeculativeDecoder, plain_factory, *, model=None, max_tokens: int = 128,
                  stop_tokens=None, sampler=None, logits_processors=None, completion_batch_size: int = 32,
-                 **plain_kwargs):
+                 snapshot_interval: int = 0, counters: MTPCounters | None = None, **plain_kwargs):
+        """``snapshot_interval``: the host's paged-cache block size when it snapshots running
+        requests' caches at block boundaries (0: it does not); rows end their rounds there.
+        ``counters``: the strategy's MTP counters, which outlive this generator (a host may make another)."""
         from mlx_lm.generate import GenerationBatch
 
         self.decoder = decoder
+        self.snapshot_interval = snapshot_interval
         self.max_tokens = max_tokens
         self.default_stops = [tuple(s) for s in (stop_tokens or [])]
         self.default_processors = list(logits_processors or [])
@@ -57,12 +63,17 @@ class MTPBatchGenerator:
         self._uid_count = 0
         self._rows: dict[int, Any] = {}  # uid -> RowState of requests running here
         self.totals = DecodeStats()  # all finished MTP requests together
+        self.counters = counters if counters is not None else MTPCounters()
+        self._serial = self.counters.generator_started()
         self._response_type = GenerationBatch.Response
         self._response_fields = {f.name for f in dataclasses.fields(GenerationBatch.Response)}
 
     # -- BatchGenerator API --------------------------------------------------------------------
     def insert(self, prompts, max_tokens=None, caches=None, all_tokens=None, samplers=None,
                logits_processors=None, state_machines=None, stop_sequences=None, sampling_params=None):
+        # oMLX inserts a request right after SpecPrefill prefilled it sparsely and wrapped the
+        # model's RoPE for it: the wrappers are taken now, before any other request is admitted.
+        sparse = take_sparse_prefill(self._plain_args["model"])
         uids = []
         for i, prompt in enumerate(prompts):
             stops = state_machines[i] if state_machines else stop_sequences[i] if stop_sequences else None
@@ -73,7 +84,7 @@ class MTPBatchGenerator:
                 all_tokens=list(all_tokens[i]) if all_tokens else [],
                 sampler=samplers[i] if samplers else None,
                 processors=list(logits_processors[i]) if logits_processors else list(self.default_processors),
-                stops=stops, params=sampling_params[i] if sampling_params else None))
+                stops=stops, params=sampling_params[i] if sampling_params else None, sparse=sparse))
             uids.append(self._uid_count)
             self._uid_count += 1
         return uids
@@ -86,8 +97,10 @@ class MTPBatchGenerator:
                 responses.append(response)
         if self.batch.rows:
             rows = list(self.batch.rows)
+            before = [dataclasses.replace(row.stats) for row in rows]
             for slot, (row, tokens) in enumerate(zip(rows, self.batch.round())):
                 responses += self._responses(row, tokens, self.batch.logits, slot)
+            self._count_rounds(rows, before)
             self._retire([row for row in rows if row.finish_reason is not None])
         while self._pending and len(self.batch.rows) < self.completion_batch_size:
             responses += self._admit(self._pending.popleft())
@@ -100,7 +113,7 @@ class MTPBatchGenerator:
         uids = set(uids)
         out = self.extract_cache(uids) if return_prompt_caches else {}
         self._pending = deque(p for p in self._pending if p.uid not in uids)
-        self.batch.retire([self._rows.pop(uid) for uid in uids if uid in self._rows])
+        self._retire([self._rows[uid] for uid in uids if uid in self._rows])
         plain = [self._to_plain.pop(uid) for uid in uids if uid in self._to_plain]
         if plain:
             self._plain.remove(plain)
@@ -109,15 +122,30 @@ class MTPBatchGenerator:
         return out
 
     def extract_cache(self, uids) -> dict:
-        """Caches of waiting and plain-run requests.  A request running MTP rounds is left out:
-        its cache sits at a round boundary, not at the token count a host would file it under,
-        and hosts read a missing entry as "no snapshot now"."""
+        """Caches of waiting and plain-run requests, and of requests running MTP rounds that sit
+        exactly on a snapshot boundary (rounds end there).  Any other running request is left
+        out: its cache is not at a token count the host files snapshots under, and hosts read a
+        missing entry as "no snapshot now"."""
         out = {p.uid: (p.cache, p.all_tokens) for p in self._pending if p.uid in uids}
+        for uid in uids:
+            row = self._rows.get(uid)
+            if row is not None and row.at_snapshot:
+                out[uid] = self._snapshot(row)
         plain = [self._to_plain[uid] for uid in uids if uid in self._to_plain]
         if plain:
             for uid, value in self._plain.extract_cache(plain).items():
                 out[self._from_plain[uid]] = value
         return out
+
+    def _snapshot(self, row) -> tuple[list, list[int]]:
+        """(host caches, tokens) as mlx-lm's extract_cache gives them for a running request: a copy
+        of the row's committed cache with its pending bonus token fed, holding the prompt and
+        every emitted token.  That count, ``row.num_tokens`` (prompt_length: the cache after
+        prefill, i.e. the host's cache of all but the last prompt token plus that token), is
+        oMLX's ``request.num_tokens`` (prompt + output tokens) at the response that triggers the
+        snapshot, so the snapshot is filed under the count it holds."""
+        cache = self.batch.final_cache(row)
+        return self.decoder.to_host(cache), list(row.request.prompt) + row.generated
 
     def close(self):
         if self._plain is not None:
@@ -125,18 +153,25 @@ class MTPBatchGenerator:
 
     # -- requests -------------------------------------------------------------------------------
     def _admit(self, p: "_Pending") -> list:
-        decoder, batch = self.decoder, self.batch
+        decoder, batch, sparse = self.decoder, self.batch, p.sparse
         try:
             slack = decoder.prefill_slack(batch.max_depth + 1)
-            cache = (decoder.from_host(p.cache, slack, _rope_delta(self._plain_args['model'], p.uid)) if p.cache
-                     else decoder.make_cache(1, slack))
+            shift = _rope_delta(self._plain_args["model"], p.uid) + sparse.adjustment  # SpecPrefill's, its own
+            cache = decoder.from_host(p.cache, slack, shift) if p.cache else decoder.make_cache(1, slack)
         except MTPError as exc:
             log.info("omlx-mtp: request uid %d decodes plain: %s", p.uid, exc)
+            sparse.put_back()  # the host's own loop positions it through the wrappers
             return self._insert_plain(p)
         params, sampler = _distribution(p.params, p.sampler)
         row = batch.new_row(Request(p.all_tokens + p.prompt, params, p.max_tokens), p.processors, sampler=sampler,
-                            matcher=_matcher(p.stops, self.default_stops))
+                            matcher=_matcher(p.stops, self.default_stops),
+                            snapshot_interval=self.snapshot_interval)
         row.uid = p.uid
+        self._count_admission(row)
+        if sparse:
+            row.sparse = True  # its cache holds fewer tokens than the request: no boundary snapshots
+            log.info("omlx-mtp: request uid %d was prefilled sparsely (SpecPrefill): RoPE positions "
+                     "shifted by %d", p.uid, sparse.adjustment)
         if row.processors.opaque:
             log.info("omlx-mtp: request uid %d takes one token per round: logits processor %s keeps state "
                      "that can't be rolled back", p.uid, type(row.processors.opaque[0]).__name__)
@@ -146,11 +181,13 @@ class MTPBatchGenerator:
         if row.finish_reason is None:
             self._rows[p.uid] = row
         else:  # done at its first token: it never joined the batch
+            self._count_finished(row)
             first = mx.array([row.generated[0] if row.generated else row.stop_token])
             self._attach_cache(out[-1], row, decoder.cache_at(cache, first, row.cache_length))
         return out
 
     def _insert_plain(self, p: "_Pending") -> list:
+        self.counters.fell_back(CACHE)
         if self._plain is None:
             self._plain = self._plain_factory(**self._plain_args)
         kwargs = dict(max_tokens=[p.max_tokens], caches=[p.cache] if p.cache else None, all_tokens=[p.all_tokens],
@@ -163,8 +200,29 @@ class MTPBatchGenerator:
 
     def _retire(self, rows) -> None:
         for row in rows:
-            self._rows.pop(row.uid, None)
+            if self._rows.pop(row.uid, None) is not None:
+                self._count_finished(row)
         self.batch.retire(rows)
+
+    # -- the strategy's counters ------------------------------------------------------------------
+    def _count_admission(self, row) -> None:
+        """An MTP request, or one that decodes plain here (one token per round) and why."""
+        reason = SAMPLER if row.sampler is not None else LOGITS_PROCESSOR if row.processors.opaque else None
+        row.counted = reason is None  # only MTP requests' rounds go into the counters
+        if reason is None:
+            self.counters.admitted(self._serial)
+        else:
+            self.counters.fell_back(reason)
+
+    def _count_rounds(self, rows, before) -> None:
+        """Each step's rounds as they happen, so the counters move during a request."""
+        pairs = [(old, row.stats) for row, old in zip(rows, before) if row.counted]
+        if pairs:
+            self.counters.add(rounds_since(*zip(*pairs)))
+
+    def _count_finished(self, row) -> None:
+        if row.counted:
+            self.counters.finished(self._serial)
 
     def _responses(self, row, tokens: list[int], logits, slot: int) -> list:
         emitted = list(tokens) + ([row.stop_token] if row.stop_token is not None else [])
@@ -202,6 +260,7 @@ class _Pending:
     processors: list
     stops: Any
     params: Any
+    sparse: SparsePrefill  # SpecPrefill's RoPE adjustment for this request (empty: none)
 
 
 def _distribution(host_params, sampler):

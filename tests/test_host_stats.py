@@ -4,6 +4,7 @@ scheduler drives it, and what the helpers behind oMLX's stats call sites report 
 from __future__ import annotations
 
 import importlib
+import sys
 import threading
 import types
 
@@ -216,10 +217,15 @@ def test_counters_are_exact_under_threads():
             counters.snapshot()
 
     threads = [threading.Thread(target=work) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between a read and its write, where the lock matters
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
     snap = counters.snapshot()
     assert (snap["requests"], snap["running"], *counted(snap)) == (2000, 0, 2000, 6000, 4000)
     assert snap["acceptance_rate"] == round(4000 / 6000, 4) and snap["tokens_per_round"] == 3.0

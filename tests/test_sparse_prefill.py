@@ -203,3 +203,57 @@ def test_hybrid_with_its_head_after_a_sparse_prefill(qwen, prefill):
     for K in (3, "auto"):
         got = decode(lambda: mtp_generator(qwen, qwen.drafter, K=K), qwen.model, prompt, PREFILLS[prefill])
         assert got[-1] == expected
+
+
+def _drain(generator, prompts_, caches_, max_tokens=20) -> list[list[int]]:
+    uids = generator.insert([p[-1:] for p in prompts_], caches=caches_, max_tokens=[max_tokens] * len(prompts_))
+    tokens = {uid: [] for uid in uids}
+    done = set()
+    while len(done) < len(uids):
+        for response in generator.next_generated():
+            tokens[response.uid].append(response.token)
+            if response.finish_reason is not None:
+                done.add(response.uid)
+    return [tokens[uid] for uid in uids]
+
+
+def test_several_requests_inserted_with_the_wrappers_run_in_the_host_loop(pair_31b):
+    """oMLX inserts a sparse request alone; inserted with another, which one the wrappers belong to is
+    unknown, so both run in the host's loop with the wrappers on — exactly as the host would run them."""
+    pair = pair_31b
+    prompt = long_prompt(pair.spec.vocab_size, seed=21)
+    other = prompts(1, pair.spec.vocab_size, seed=4, lengths=(30,))[0]
+    results = []
+    for make in (lambda: plain_generator(pair.model), lambda: mtp_generator(pair, pair.drafter)):
+        with restored_ropes(pair.model):
+            caches_ = [sparse_request(pair.model, prompt, _standin_sparse_prefill)["cache"](),
+                       make_prompt_cache(pair.model)]
+            pair.model(mx.array(other[:-1])[None], cache=caches_[1])
+            generator = make()
+            results.append(_drain(generator, [prompt, other], caches_))
+            wrappers = {type(a.rope).__name__ for a in _attention_modules(pair.model)}
+        assert wrappers == {"_OffsetAdjustedRoPE"}
+    assert results[1] == results[0]
+    assert set(generator._to_plain) == {0, 1}  # neither ran MTP rounds
+
+
+def test_a_sparse_request_takes_no_boundary_snapshots(pair_31b):
+    """Its cache holds fewer tokens than the request: the host would file a snapshot under the wrong
+    count, so its rounds are not cut at boundaries and extract_cache hands nothing back."""
+    pair = pair_31b
+    prompt = long_prompt(pair.spec.vocab_size, seed=21)
+    expected = reference(pair.model, prompt, _standin_sparse_prefill)
+    with restored_ropes(pair.model):
+        generator = mtp_generator(pair, pair.drafter, snapshot_interval=8)
+        cache = sparse_request(pair.model, prompt, _standin_sparse_prefill)["cache"]()
+        (uid,) = generator.insert([prompt[-1:]], caches=[cache], max_tokens=[len(expected)])
+        tokens, snapshots = [], []
+        while not tokens or generator._rows.get(uid) is not None:
+            for response in generator.next_generated():
+                tokens.append(response.token)
+            row = generator._rows.get(uid)
+            if row is not None:
+                assert row.sparse and row.until_snapshot == float("inf")
+                snapshots.append(generator.extract_cache([uid]))
+    assert tokens == expected
+    assert snapshots and not any(snapshots)

@@ -36,6 +36,9 @@ QUERY_AT_BONUS = 0  # drafter query at the bonus token's position N (HF transfor
 QUERY_AT_LAST = -1  # at N - 1, the position of the hidden state (vLLM, mlx-vlm)
 
 
+_STATS_FIELDS = ("rounds", "drafted", "accepted", "emitted")
+
+
 @dataclass
 class DecodeStats:
     rounds: int = 0
@@ -55,7 +58,11 @@ class DecodeStats:
     def pooled(cls, many) -> "DecodeStats":
         """The stats of several requests (or runs) added together."""
         many = list(many)
-        return cls(*(sum(getattr(s, f) for s in many) for f in ("rounds", "drafted", "accepted", "emitted")))
+        return cls(*(sum(getattr(s, f) for s in many) for f in _STATS_FIELDS))
+
+    def minus(self, earlier: "DecodeStats") -> "DecodeStats":
+        """What was added since ``earlier``."""
+        return DecodeStats(*(getattr(self, f) - getattr(earlier, f) for f in _STATS_FIELDS))
 
     def as_dict(self) -> dict:
         return {
@@ -99,6 +106,7 @@ class RowState:
     pending_depth: int | None = None  # a depth the controller chose during a plain stretch
     snapshot_interval: int = 0  # the host snapshots caches at multiples of this many tokens (0: never)
     sparse: bool = False  # prompt prefilled sparsely (SpecPrefill): its cache holds fewer tokens than the request
+    counted: bool = True  # its rounds go into a host's MTP counters (not when it fell back to one token a round)
 
     @property
     def num_tokens(self) -> int:
@@ -258,8 +266,10 @@ class LiveBatch:
     def _observe(self, caps: list[int], accepted: list[int], seconds: float | None) -> None:
         batch = self._batch_controller()
         if batch is not None:
-            drafting = [n for cap, n in zip(caps, accepted) if cap]
-            batch.observe(max(caps), drafting, seconds)
+            # Rows held to fewer drafts (a snapshot boundary, max_tokens) say nothing of depth K.
+            K = max(caps)
+            drafting = [n for cap, n in zip(caps, accepted) if cap and cap == K]
+            batch.observe(K, drafting, seconds)
             seconds = None  # a row's own times are for when it decodes alone
         for row, cap, n in zip(self.rows, caps, accepted):
             if row.controller is not None:

@@ -29,7 +29,7 @@ from ..decode.loop import DecodeStats, Request, SpeculativeDecoder
 from ..decode.sampling import SamplingParams, log_softmax
 from ..errors import MTPError
 from .sparse_prefill import SparsePrefill, take_sparse_prefill
-from .stats import CACHE, LOGITS_PROCESSOR, SAMPLER, MTPCounters, rounds_since
+from .stats import CACHE, LOGITS_PROCESSOR, SAMPLER, MTPCounters
 
 log = logging.getLogger("omlx_mtp")
 
@@ -73,7 +73,7 @@ class MTPBatchGenerator:
                logits_processors=None, state_machines=None, stop_sequences=None, sampling_params=None):
         # oMLX inserts a request right after SpecPrefill prefilled it sparsely and wrapped the
         # model's RoPE for it: the wrappers are taken now, before any other request is admitted.
-        sparse = take_sparse_prefill(self._plain_args["model"])
+        sparse = take_sparse_prefill(self._plain_args["model"], len(prompts))
         uids = []
         for i, prompt in enumerate(prompts):
             stops = state_machines[i] if state_machines else stop_sequences[i] if stop_sequences else None
@@ -97,10 +97,10 @@ class MTPBatchGenerator:
                 responses.append(response)
         if self.batch.rows:
             rows = list(self.batch.rows)
-            before = [dataclasses.replace(row.stats) for row in rows]
+            before = _counted(rows)
             for slot, (row, tokens) in enumerate(zip(rows, self.batch.round())):
                 responses += self._responses(row, tokens, self.batch.logits, slot)
-            self._count_rounds(rows, before)
+            self.counters.add(_counted(rows).minus(before))  # as rounds run: counters move mid-request
             self._retire([row for row in rows if row.finish_reason is not None])
         while self._pending and len(self.batch.rows) < self.completion_batch_size:
             responses += self._admit(self._pending.popleft())
@@ -214,12 +214,6 @@ class MTPBatchGenerator:
         else:
             self.counters.fell_back(reason)
 
-    def _count_rounds(self, rows, before) -> None:
-        """Each step's rounds as they happen, so the counters move during a request."""
-        pairs = [(old, row.stats) for row, old in zip(rows, before) if row.counted]
-        if pairs:
-            self.counters.add(rounds_since(*zip(*pairs)))
-
     def _count_finished(self, row) -> None:
         if row.counted:
             self.counters.finished(self._serial)
@@ -261,6 +255,11 @@ class _Pending:
     stops: Any
     params: Any
     sparse: SparsePrefill  # SpecPrefill's RoPE adjustment for this request (empty: none)
+
+
+def _counted(rows) -> DecodeStats:
+    """The pooled stats of the rows whose rounds go into the host's MTP counters."""
+    return DecodeStats.pooled(row.stats for row in rows if row.counted)
 
 
 def _distribution(host_params, sampler):

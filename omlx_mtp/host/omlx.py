@@ -128,9 +128,12 @@ def attach_decode_strategy(scheduler, model, model_path: str, model_id: str | No
     if strategy is not None:
         describe = getattr(strategy, "describe", lambda: "")()
         log.info("omlx-mtp: %s decodes with %s (%s)", model_id, strategy.name, describe)
-        turboquant = note_turboquant(scheduler, model_id)
-        if turboquant is not None and hasattr(getattr(strategy, "stats", None), "note"):
-            strategy.stats.note("turboquant_kv", turboquant)
+        try:  # a note must never keep the model from serving
+            turboquant = note_turboquant(scheduler, model_id)
+            if turboquant is not None and hasattr(getattr(strategy, "stats", None), "note"):
+                strategy.stats.note("turboquant_kv", turboquant)
+        except Exception as exc:
+            log.warning("omlx-mtp: %s: TurboQuant setting unreadable: %s: %s", model_id, type(exc).__name__, exc)
     return strategy
 
 
@@ -159,8 +162,11 @@ def snapshot_interval(scheduler) -> int:
     config = getattr(scheduler, "config", None)
     if getattr(scheduler, "block_aware_cache", None) is None or config is None:
         return 0
-    needs_snapshots = getattr(scheduler, "_detect_boundary_snapshot_need", None)
-    if needs_snapshots is not None and not needs_snapshots():
+    try:  # oMLX's own answer; where it can't give one, rounds stop at boundaries all the same
+        needs_snapshots = scheduler._detect_boundary_snapshot_need()
+    except Exception:
+        needs_snapshots = True
+    if not needs_snapshots:
         return 0
     return max(0, int(getattr(config, "paged_cache_block_size", 0) or 0))
 
@@ -182,8 +188,8 @@ def mtp_stats(source) -> dict | None:
             reason = getattr(scheduler, "mtp_unavailable", None)
         return {"enabled": False, "reason": reason} if isinstance(reason, str) else None
     except Exception as exc:
-        if str(exc) not in _stats_failures:  # once: hosts poll their stats every few seconds
-            _stats_failures.add(str(exc))
+        if type(exc).__name__ not in _stats_failures:  # once: hosts poll their stats every few seconds
+            _stats_failures.add(type(exc).__name__)
             log.warning("omlx-mtp: MTP stats unavailable: %s: %s", type(exc).__name__, exc)
         return None
 

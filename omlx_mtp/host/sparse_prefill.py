@@ -45,12 +45,15 @@ class SparsePrefill:
     """The wrappers taken off a model (to put back if need be) and what they adjusted by."""
 
     wrapped: list = field(default_factory=list)  # (attention module, wrapper)
+    requests: int = 1  # requests inserted together with these wrappers on (oMLX: one)
 
     def __bool__(self) -> bool:
         return bool(self.wrapped)
 
     @property
     def adjustment(self) -> int:
+        if self.requests > 1:  # which of them was prefilled sparsely is not known
+            raise MTPError(f"SpecPrefill's RoPE wrappers came with {self.requests} requests inserted together")
         found = {int(wrapper._adjustment) for _, wrapper in self.wrapped}
         if len(found) > 1:
             raise MTPError(f"SpecPrefill's RoPE adjustments differ between layers: {sorted(found)}")
@@ -62,11 +65,12 @@ class SparsePrefill:
         self.wrapped = []
 
 
-def take_sparse_prefill(model) -> SparsePrefill:
-    """Take SpecPrefill's RoPE wrappers off ``model`` (the host's model); an empty result when
-    none are installed."""
+def take_sparse_prefill(model, requests: int = 1) -> SparsePrefill:
+    """Take SpecPrefill's RoPE wrappers off ``model`` (the host's model), inserted with ``requests``
+    requests; an empty result when none are installed.  With several requests the wrappers can't be
+    given to one of them: every one runs in the host's loop, the wrappers back on, as the host would."""
     wrapped = [(attention, attention.rope) for attention in _attention_modules(model)
                if _is_wrapper(getattr(attention, "rope", None))]
     for attention, wrapper in wrapped:
         attention.rope = wrapper._original
-    return SparsePrefill(wrapped)
+    return SparsePrefill(wrapped, requests)

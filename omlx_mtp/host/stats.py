@@ -81,14 +81,3 @@ class MTPCounters:
             out["fallbacks"] = dict(self._fallbacks)
             out.update(self._settings)
             return out
-
-
-def unavailable(reason: str) -> dict:
-    """The stats of a model whose settings ask for MTP but that decodes plain."""
-    return {"enabled": False, "reason": reason}
-
-
-def rounds_since(before: list[DecodeStats], after: list[DecodeStats]) -> DecodeStats:
-    """What rows added to their stats between two copies, pooled."""
-    fields = ("rounds", "drafted", "accepted", "emitted")
-    return DecodeStats(*(sum(getattr(a, f) - getattr(b, f) for a, b in zip(after, before)) for f in fields))

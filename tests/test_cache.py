@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from omlx_mtp.decode.cache import SlotTable, commit, make_caches, select_rows, shrink_slack, stack_caches
+from omlx_mtp.decode.cache import commit, make_caches, select_rows, shrink_slack, stack_caches
 
 H, D, W = 2, 4, 8
 
@@ -80,13 +80,3 @@ def test_stack_and_select_rows_of_different_lengths():
     assert only_b.lengths == [12]
     np.testing.assert_array_equal(np.array(only_b.table.positions), np.array(both.table.positions)[1:2])
 
-
-def test_buffers_grow_close_to_what_they_hold():
-    """A compiled forward's buffers grow ahead of the need (fewer re-traces), but at long contexts
-    by a bounded step, not a quarter: MTP's K/V stays near plain decoding's."""
-    table = SlotTable(1)
-    table.lengths = [4096]
-    size = table.size_for(1, 4096, geometric=True)
-    assert 4097 <= size <= 4096 + 512 + 256
-    table.lengths = [600]
-    assert table.size_for(1, 600, geometric=True) == 768  # a quarter ahead while that is small

@@ -45,15 +45,15 @@ class SparsePrefill:
     """The wrappers taken off a model (to put back if need be) and what they adjusted by."""
 
     wrapped: list = field(default_factory=list)  # (attention module, wrapper)
-    requests: int = 1  # requests inserted together with these wrappers on (oMLX: one)
+    shared: bool = False  # several requests came with the wrappers (oMLX inserts one): whose they are is unknown
 
     def __bool__(self) -> bool:
         return bool(self.wrapped)
 
     @property
     def adjustment(self) -> int:
-        if self.requests > 1:  # which of them was prefilled sparsely is not known
-            raise MTPError(f"SpecPrefill's RoPE wrappers came with {self.requests} requests inserted together")
+        if self.shared:  # stays so after put_back: every one of those requests runs in the host's loop
+            raise MTPError("SpecPrefill's RoPE wrappers came with several requests inserted together")
         found = {int(wrapper._adjustment) for _, wrapper in self.wrapped}
         if len(found) > 1:
             raise MTPError(f"SpecPrefill's RoPE adjustments differ between layers: {sorted(found)}")
@@ -73,4 +73,4 @@ def take_sparse_prefill(model, requests: int = 1) -> SparsePrefill:
                if _is_wrapper(getattr(attention, "rope", None))]
     for attention, wrapper in wrapped:
         attention.rope = wrapper._original
-    return SparsePrefill(wrapped, requests)
+    return SparsePrefill(wrapped, shared=bool(wrapped) and requests > 1)

@@ -156,15 +156,18 @@ def test_concurrent_requests_all_run_mtp(server):
 
 def test_prefix_cache_hit_keeps_output(server):
     url, _ = server
-    # 1000 prompt tokens + 20 stay below the second 512-token block boundary: oMLX 0.3.8 may lose a
-    # request's earlier boundary snapshot (here the prefill's, at 512) when a later one exists — its
-    # async store reads it after cleanup_request deleted it — and then misses on the repeat, with
-    # plain decoding as with MTP (whose rounds stop at boundaries for snapshots like plain steps).
-    first, _ = chat(url, "demo-mtp", LONG + "\n# again", max_tokens=20)
-    second, usage = chat(url, "demo-mtp", LONG + "\n# again", max_tokens=20)
+    # A prompt whose first block no earlier test stored, and 1000 prompt tokens + 20 below the second
+    # 512-token boundary: oMLX 0.3.8 may lose a request's earlier boundary snapshot when a later one
+    # exists (its async store reads it after cleanup_request deleted it), storing that block without
+    # its sliding state, and then rejects every later hit on it — with plain decoding as with MTP
+    # (whose rounds stop at boundaries for snapshots like plain steps).  Earlier tests' LONG requests
+    # pass two boundaries, so a prompt starting like LONG may meet such a block.
+    prompt = "# again\n" + LONG
+    first, _ = chat(url, "demo-mtp", prompt, max_tokens=20)
+    second, usage = chat(url, "demo-mtp", prompt, max_tokens=20)
     assert usage["prompt_tokens"] + usage["completion_tokens"] < 1024
     assert usage["prompt_tokens_details"]["cached_tokens"] > 0
-    assert first == second == chat(url, "demo-plain", LONG + "\n# again", max_tokens=20)[0]
+    assert first == second == chat(url, "demo-plain", prompt, max_tokens=20)[0]
 
 
 def test_omlx_own_tests_pass_on_patched_tree(tmp_path):

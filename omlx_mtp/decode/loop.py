@@ -119,6 +119,12 @@ class RowState:
         return self.num_tokens + (self.stop_token is not None)
 
     @property
+    def all_tokens(self) -> list[int]:
+        """Prompt and every emitted token, a stop token included: what the row's cache holds
+        (a running row's once its bonus is fed)."""
+        return list(self.request.prompt) + self.generated + ([self.stop_token] if self.stop_token is not None else [])
+
+    @property
     def takes_snapshots(self) -> bool:
         """Whether the host may snapshot this row at boundaries: not when its cache holds fewer
         tokens than the request (a sparse prefill), where no boundary would be filed right."""

@@ -145,7 +145,7 @@ class MTPBatchGenerator:
         oMLX's ``request.num_tokens`` (prompt + output tokens) at the response that triggers the
         snapshot, so the snapshot is filed under the count it holds."""
         cache = self.batch.final_cache(row)
-        return self.decoder.to_host(cache), list(row.request.prompt) + row.generated
+        return self.decoder.to_host(cache), row.all_tokens
 
     def close(self):
         if self._plain is not None:
@@ -231,8 +231,7 @@ class MTPBatchGenerator:
         response.prompt_cache = self.decoder.to_host(cache)
         self.totals = DecodeStats.pooled([self.totals, row.stats])
         if "all_tokens" in self._response_fields:
-            response.all_tokens = list(row.request.prompt) + row.generated + (
-                [row.stop_token] if row.stop_token is not None else [])
+            response.all_tokens = row.all_tokens
         log.info("omlx-mtp: request uid %d finished (%s): %d tokens in %d rounds, %d of %d drafts accepted",
                  row.uid, row.finish_reason, len(row.generated), row.stats.rounds, row.stats.accepted,
                  row.stats.drafted)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from omlx_mtp.decode.adaptive import DepthController
+from omlx_mtp.decode.adaptive import AcceptanceMemory, DepthController, RoundCosts
 from omlx_mtp.decode.loop import DecodeStats, Request, SpeculativeDecoder
 from omlx_mtp.decode.oracle import OracleDrafter
 from omlx_mtp.runner import run_plain
@@ -89,6 +89,69 @@ def test_drafting_that_wins_keeps_most_of_the_best_depth(case, noise):
     speed, chosen = simulate(DepthController(max_depth=c["max_depth"]), c["acceptance"], 1.0, cost,
                              noise=noise, stall=0.02 if noise else 0.0)
     assert best > 1.2 and speed >= (0.9 if noise else 0.95) * best  # jitter of 20% a round blurs the line
+
+
+def many_requests(case, memory: AcceptanceMemory | None, tokens: int, count: int = 30, noise: float = 0.0,
+                  acceptance=None) -> float:
+    """Tokens per second over ``count`` requests of ``tokens`` each, decoded one after another the way
+    a server runs them: each with its own controller, all sharing the costs measured at batch size
+    1 and, where given, the acceptance ``memory`` of their kind."""
+    costs, seconds = RoundCosts(), 0.0
+    for i in range(count):
+        controller = DepthController(max_depth=case["max_depth"], costs=costs, memory=memory)
+        a = acceptance(i) if acceptance else case["acceptance"]
+        speed, _ = simulate(controller, a, 1.0, case["round_cost"], tokens=tokens, seed=i, noise=noise)
+        seconds += tokens / speed
+    return count * tokens / seconds
+
+
+# The demo pair at T=1 on this CPU: acceptance a little under 60%, a round a bit over two plain steps.
+BREAK_EVEN = dict(acceptance=0.57, round_cost=lambda k: 1.9 + 0.25 * k, max_depth=8)
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.2], ids=["steady", "noisy"])
+@pytest.mark.parametrize("case", ["acceptance-limited", "near break-even"])
+def test_short_requests_that_lose_start_where_earlier_ones_left_off(case, noise):
+    """Requests of 40 tokens where drafting loses: every request learning acceptance again from a
+    generic prior (and starting its probes over) pays rounds that lose; starting from the acceptance
+    and probe wait earlier requests reached keeps 97% of plain."""
+    c = LOSING[case] if case in LOSING else BREAK_EVEN
+    assert best_fixed_rate(c["acceptance"], 1.0, c["round_cost"], c["max_depth"]) == 1.0
+    assert many_requests(c, AcceptanceMemory(), tokens=40, noise=noise) >= 0.97
+
+
+@pytest.mark.parametrize("case", WINNING)
+def test_short_requests_that_win_keep_most_of_the_best_depth(case):
+    c = WINNING[case]
+    best = best_fixed_rate(c["acceptance"], 1.0, c["round_cost"], c["max_depth"])
+    assert many_requests(c, AcceptanceMemory(), tokens=40) >= 0.9 * best
+
+
+def test_text_that_turns_predictable_gets_drafts_back_within_a_request():
+    """After requests whose drafts lost, requests that draft well must not wait out the longest
+    probe interval: the second such request already drafts at most of the best depth's rate."""
+    c = dict(WINNING["cheap drafts"], max_depth=8)
+    memory, costs, speeds = AcceptanceMemory(), RoundCosts(), []
+    for i, a in enumerate([0.2] * 10 + [0.85] * 3):
+        speed, _ = simulate(DepthController(max_depth=8, costs=costs, memory=memory), a, 1.0, c["round_cost"],
+                            tokens=150, seed=i)
+        speeds.append(speed)
+    assert max(speeds[:10]) < 1.1 and min(speeds[11:]) >= 0.8 * best_fixed_rate(0.85, 1.0, c["round_cost"], 8)
+
+
+def test_requests_of_one_kind_share_their_acceptance(pair_31b):
+    from omlx_mtp.decode.sampling import SamplingParams
+
+    decoder = SpeculativeDecoder(pair_31b.target, pair_31b.drafter, draft_tokens="auto", max_draft_tokens=3)
+    prompt = prompts(1, pair_31b.spec.vocab_size, seed=4)[0]
+    greedy = [decoder.batch().new_row(Request(prompt, max_tokens=8)) for _ in range(2)]
+    sampled = decoder.batch().new_row(Request(prompt, SamplingParams(temperature=0.7), max_tokens=8))
+    assert greedy[0].controller.memory is greedy[1].controller.memory is not sampled.controller.memory
+    for _ in range(20):  # one request's drafts were all rejected ...
+        greedy[0].controller.observe(2, [0], None)
+    fresh = decoder.batch().new_row(Request(prompt, max_tokens=8)).controller
+    assert fresh.position_acceptance()[0] < 0.2  # ... and the next greedy request starts from that
+    assert sampled.controller.position_acceptance()[0] == 0.75  # a sampled one from the generic prior
 
 
 def half_speed_every_other(period: float):

@@ -20,7 +20,10 @@ several come in a row (then the machine did get slower); three rounds in a row 2
 estimate ask for plain steps to be measured again.  The s_i are decayed counts,
 each position leaning on the one before it while it has few trials, with a prior worth two drafts at
 75%, so one unlucky round does not send a good drafter away while a few rejected rounds stop a
-useless one.  Every ``explore_every`` drafting rounds one goes a draft deeper than the best, so
+useless one.  Once requests of the same kind (greedy, or one sampled distribution) have decoded,
+a new request's prior is their recent acceptance instead (``AcceptanceMemory``, worth four drafts
+per position), and its probes start from the wait they reached: a server's requests are short, and
+learning acceptance again in each one costs drafting rounds where drafting loses.  Every ``explore_every`` drafting rounds one goes a draft deeper than the best, so
 deeper positions get measured.  Drafting must promise ``margin`` over plain.
 
 When plain wins, MTP steps aside and probes after ``probe_every`` rounds, doubling the wait after
@@ -128,6 +131,46 @@ class RoundCosts:
 
 
 @dataclass
+class AcceptanceMemory:
+    """Per draft position, how often drafts were accepted in the recent rounds of every request of
+    one kind (greedy, or one sampled distribution) on one decoder.  A new request's controller
+    starts from it instead of a generic prior: requests of a server are short, and learning the
+    drafter's acceptance again in each one costs rounds that lose where drafting does not pay."""
+
+    decay: float = 0.99  # per round observed: about the last hundred rounds, a few requests
+    successes: list = field(default_factory=list)
+    trials: list = field(default_factory=list)
+    probe_wait: int = 0  # plain rounds between probes that earlier requests reached (0: none rejected)
+
+    def observe(self, k: int, accepted: list[int]) -> None:
+        grow = k - len(self.trials)
+        if grow > 0:
+            self.successes += [0.0] * grow
+            self.trials += [0.0] * grow
+        for i in range(len(self.trials)):
+            tried, kept = _position_counts(accepted, k, i)
+            self.successes[i] = self.decay * self.successes[i] + kept
+            self.trials[i] = self.decay * self.trials[i] + tried
+
+    def rates(self, depth: int, prior: float, weight: float) -> list[float] | None:
+        """s_i for draft positions 1..depth once any round was seen (None before): each position
+        leans on the one before it while it has few trials, so one lucky deep draft says little."""
+        if not self.trials or self.trials[0] < 1.0:
+            return None
+        out = []
+        for i in range(depth):
+            successes, trials = (self.successes[i], self.trials[i]) if i < len(self.trials) else (0.0, 0.0)
+            prior = (successes + prior * weight) / (trials + weight)
+            out.append(prior)
+        return out
+
+
+def _position_counts(accepted: list[int], k: int, i: int) -> tuple[int, int]:
+    """(rows whose draft i was looked at, rows that kept it) in a round of k drafts."""
+    return sum(1 for n in accepted if i < k and n >= i), sum(1 for n in accepted if n > i)
+
+
+@dataclass
 class DepthController:
     max_depth: int
     min_acceptance: float = 0.0
@@ -146,6 +189,8 @@ class DepthController:
     plain_steps: int = 4  # plain steps measured before the first drafting round, and at each refresh
     refresh_every: int = 64  # drafting rounds between measurements of plain steps
     costs: RoundCosts = field(default_factory=RoundCosts)  # shared by the controllers of one batch size
+    memory: AcceptanceMemory | None = None  # acceptance of earlier requests of this kind: the prior
+    memory_weight: float = 4.0  # ... worth this many drafts per position
     _successes: float = 0.0
     _trials: float = 0.0
     _plain_rounds: int = 0
@@ -171,10 +216,14 @@ class DepthController:
     def position_acceptance(self) -> list[float]:
         """s_i for draft positions 1..max_depth."""
         out, prior = [], self.prior_successes / self.prior_trials
+        remembered = self.memory.rates(self.max_depth, prior, self.prior_trials) if self.memory is not None else None
         for i in range(self.max_depth):
             successes = self._position_successes[i] if i < len(self._position_successes) else 0.0
             trials = self._position_trials[i] if i < len(self._position_trials) else 0.0
-            prior = (successes + prior * self.prior_trials) / (trials + self.prior_trials)
+            if remembered is None:  # a generic prior, each position leaning on the one before
+                prior = (successes + prior * self.prior_trials) / (trials + self.prior_trials)
+            else:
+                prior = (successes + remembered[i] * self.memory_weight) / (trials + self.memory_weight)
             out.append(prior)
         return out
 
@@ -202,7 +251,8 @@ class DepthController:
         if self.acceptance < self.min_acceptance:
             return self._plain_or_probe()
         rates = self._rates()
-        if self._trial:  # after an accepted probe: draft a few rounds and let them speak
+        trial = self._trial > 0
+        if trial:  # after an accepted probe: draft a few rounds and let them speak
             self._trial -= 1
             rates.pop(0, None)
         best = max(rates, key=rates.get)
@@ -210,6 +260,8 @@ class DepthController:
             self._hopeless = self._perfect_rate() < self.margin * rates[0]
             return self._plain_or_probe()
         self._plain_rounds, self._wait, self._hopeless = 0, 0, False
+        if self.memory is not None and not trial:  # drafting won on evidence, not on a trial's credit
+            self.memory.probe_wait = 0
         self._since_explore += 1
         if self._since_explore >= self.explore_every and best < self.max_depth:
             self._since_explore = 0
@@ -258,7 +310,11 @@ class DepthController:
         return False
 
     def _plain_or_probe(self, probe_depth: int = 1) -> int:
-        self._wait = self.max_probe_every if self._hopeless else (self._wait or self.probe_every)
+        # A request starts from the wait earlier ones reached, up to twice the first: its text may
+        # be likelier to draft well than theirs.
+        inherited = min(self.memory.probe_wait, 2 * self.probe_every) if self.memory is not None else 0
+        first_wait = inherited or self.probe_every
+        self._wait = self.max_probe_every if self._hopeless else (self._wait or first_wait)
         self._plain_rounds += 1
         if self._plain_rounds >= self._wait:
             self._plain_rounds, self._probing = 0, True
@@ -274,11 +330,15 @@ class DepthController:
             self._untimed_plain = True
         if k == 0 or not accepted:
             return
+        if self.memory is not None:
+            self.memory.observe(k, accepted)
         probe_accepted = self._probing and sum(accepted) > 0
         if self._probing:  # a rejected probe doubles the wait; an accepted one may open a trial (below)
             self._probing = False
             if not probe_accepted:
                 self._wait = min(2 * self._wait, self.max_probe_every)
+                if self.memory is not None:  # the next request does not start its probes over
+                    self.memory.probe_wait = self._wait
         self._successes = self.decay * self._successes + sum(accepted)
         self._trials = self.decay * self._trials + sum(n + 1 if n < k else k for n in accepted)
         grow = k - len(self._position_trials)
@@ -286,8 +346,7 @@ class DepthController:
             self._position_successes += [0.0] * grow
             self._position_trials += [0.0] * grow
         for i in range(len(self._position_trials)):
-            tried = sum(1 for n in accepted if i < k and n >= i)  # rows whose draft i was looked at
-            kept = sum(1 for n in accepted if n > i)
+            tried, kept = _position_counts(accepted, k, i)
             self._position_successes[i] = self.decay * self._position_successes[i] + kept
             self._position_trials[i] = self.decay * self._position_trials[i] + tried
         if probe_accepted and not self._hopeless and self._within_reach():

@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from .acceptance import (accept_greedy, accept_greedy_graph, accept_sampled, accept_sampled_graph, allowed_drafts,
                          kept_hidden)
-from .adaptive import DepthController, RoundCosts
+from .adaptive import AcceptanceMemory, DepthController, RoundCosts
 from .compiled_forward import TraceCache
 from . import cache as caches
 from .sampling import SamplingParams, draft_probs, log_softmax, target_probs
@@ -195,7 +195,8 @@ class LiveBatch:
         if self.max_depth and (self.auto or self.decoder.min_acceptance > 0):
             # auto: depth per round; a fixed depth: only the fall back to plain below min_acceptance
             controller = DepthController(self.max_depth, self.decoder.min_acceptance, fixed=not self.auto,
-                                         costs=self.decoder.round_costs(1, self.max_depth))
+                                         costs=self.decoder.round_costs(1, self.max_depth),
+                                         memory=self.decoder.acceptance_memory(request.params))
         history = mx.array(list(request.prompt), dtype=mx.int32)
         if processors is None:
             processors = request.params.processors()
@@ -418,6 +419,7 @@ class SpeculativeDecoder:
         self._retired_traces = 0
         self.batch_controllers: dict = {}  # (batch size, max depth) -> DepthController, for auto
         self._round_costs: dict = {}  # (batch size, max depth) -> RoundCosts, shared by its controllers
+        self._acceptance: dict = {}  # sampling kind -> AcceptanceMemory, shared by its requests
         self.mask_drafts = True  # rows under a grammar draft only what it allows
 
     # -- public ---------------------------------------------------------------------------
@@ -450,6 +452,12 @@ class SpeculativeDecoder:
         """What rounds cost at this batch size, as measured so far: a property of the model and
         the machine, so every request (and its controller) shares it."""
         return self._round_costs.setdefault((batch_size, max_depth), RoundCosts())
+
+    def acceptance_memory(self, params: SamplingParams) -> AcceptanceMemory:
+        """Recent acceptance of requests drawn like ``params`` (greedy, or one sampled distribution):
+        a new request's controller starts from it."""
+        kind = "greedy" if params.greedy else params.distribution_key
+        return self._acceptance.setdefault(kind, AcceptanceMemory())
 
     # -- steps ----------------------------------------------------------------------------
     def _prefill(self, requests: Sequence[Request], slack: int):

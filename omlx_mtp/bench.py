@@ -140,12 +140,20 @@ def _decoders(session: Session, K, continuation: dict, scripted: dict) -> dict:
     return out
 
 
-def _with_bounds(entries: list[dict], costs: dict, K) -> None:
-    """Ratios to no-draft for every entry; the speedup bound and achieved/bound for drafting
-    engines at a fixed depth (an oracle's drafts cost nothing; every other engine pays the drafter's)."""
-    no_draft = next(e["tokens_per_second"] for e in entries if e["engine"] == NO_DRAFT)
+def _paired_ratio(values: list[float], baseline: list[float]) -> float:
+    """The median over repeats of an engine's speed over the baseline's in the same pass: runs of
+    one pass sit seconds apart, so a machine whose speed wanders (other work, clocks) moves both."""
+    return statistics.median(v / b if b else 0.0 for v, b in zip(values, baseline))
+
+
+def _with_bounds(entries: list[dict], costs: dict, K, samples: dict) -> None:
+    """Ratios to plain and to no-draft for every entry, from paired runs (``samples``: engine ->
+    tokens per second per pass); the speedup bound and achieved/bound for drafting engines at a
+    fixed depth (an oracle's drafts cost nothing; every other engine pays the drafter's)."""
     for entry in entries:
-        entry["speedup_vs_no_draft"] = entry["tokens_per_second"] / no_draft if no_draft else 0.0
+        runs = samples[entry["engine"]]
+        entry["speedup_vs_plain"] = _paired_ratio(runs, samples["plain"])
+        entry["speedup_vs_no_draft"] = _paired_ratio(runs, samples[NO_DRAFT])
         if (K == "auto" or entry["engine"] in BASELINES or "tokens_per_round" not in entry or entry["engine"] == PEER
                 or not costs.get("decode_ms")):  # (no decode time: every request ended at its first token)
             continue
@@ -159,10 +167,17 @@ NO_DRAFT = "no-draft"
 BASELINES = ("plain", NO_DRAFT)  # engines that never draft
 
 
-def _entry(name: str, temp: float, K, batch: int, tps: float, plain_tps: float) -> dict:
-    """One result, as the JSON's ``results`` list carries it."""
+def _entry(name: str, temp: float, K, batch: int, tps: float) -> dict:
+    """One result, as the JSON's ``results`` list carries it (ratios: ``_with_bounds``)."""
     return {"engine": name, "temp": temp, "draft_tokens": 0 if name in BASELINES else K, "batch": batch,
-            "tokens_per_second": tps, "speedup_vs_plain": tps / plain_tps if plain_tps else 0.0}
+            "tokens_per_second": tps}
+
+
+def rotated(items: list, turn: int) -> list:
+    """``items`` starting at ``turn``: each engine runs first in some passes, so a place in the
+    order that runs faster (caches, the allocator, clocks) favours none of them."""
+    turn %= len(items)
+    return items[turn:] + items[:turn]
 
 
 def _run_peer(peer, request, temp, K, seed) -> dict:
@@ -205,7 +220,7 @@ def _bench_batch(session, requests, K, temp, continuation, repeats, say, scripte
     speeds = {name: [] for name in factories}
     outputs, stats = {}, {}
     for repeat in range(repeats + 1):  # the first pass warms up
-        for name, factory in factories.items():
+        for name, factory in rotated(list(factories.items()), repeat):
             mx.random.seed(repeat)
             tokens, tps, generator = _drive(factory(), requests)
             if repeat:
@@ -218,13 +233,13 @@ def _bench_batch(session, requests, K, temp, continuation, repeats, say, scripte
     plain_tps = statistics.median(speeds["plain"])
     results = []
     for name, values in speeds.items():
-        entry = _entry(name, temp, K, len(requests), statistics.median(values), plain_tps)
+        entry = _entry(name, temp, K, len(requests), statistics.median(values))
         if name in stats and name not in BASELINES:
             entry.update(acceptance_rate=stats[name].acceptance_rate, tokens_per_round=stats[name].tokens_per_round)
         results.append(entry)
     costs = component_costs(session, list(requests[0].prompt), K, len(requests), temp) if K != "auto" else {}
     costs["decode_ms"] = 1000 * len(requests) / plain_tps if plain_tps else 0.0  # one step of the batch, mlx-lm's
-    _with_bounds(results, costs, K)
+    _with_bounds(results, costs, K, speeds)
     for entry in results:
         entry.update(costs)
         say(_row(entry))
@@ -268,25 +283,31 @@ def _bench_depth(session, requests, K, temp, continuation, repeats, say, peer=No
     if peer is not None:
         engines[PEER], peer_stats = [], []
     runs = [(NO_DRAFT, session.decoder, 0)] + [(name, decoder, K) for name, decoder in drafting.items()]
+    turn = 0
     for request in requests:
         for _, decoder, depth in runs:  # warm-up at this depth
             run_mtp(decoder, request, seed=0, draft_tokens=depth)
         if peer is not None:
             _run_peer(peer, request, temp, K, seed=0)
         for repeat in range(repeats):
-            plain = run_plain(session.model, request, seed=repeat)
-            engines["plain"].append(plain.tokens_per_second)
-            for name, decoder, depth in runs:
-                out = run_mtp(decoder, request, seed=repeat, draft_tokens=depth)
-                if temp == 0:
-                    assert out.row.generated == plain.row.generated, f"greedy {name} left plain decoding"
+            outputs = {}
+            for name, decoder, depth in rotated([("plain", None, 0)] + runs, turn):
+                if decoder is None:
+                    out = run_plain(session.model, request, seed=repeat)
+                else:
+                    out = run_mtp(decoder, request, seed=repeat, draft_tokens=depth)
+                outputs[name] = out.row.generated
                 engines[name].append(out.tokens_per_second)
                 if name in stats:
                     stats[name].append(out.row.stats)
+            turn += 1
+            if temp == 0:
+                for name, tokens in outputs.items():
+                    assert tokens == outputs["plain"], f"greedy {name} left plain decoding"
             if peer is not None:
                 out = _run_peer(peer, request, temp, K, seed=repeat)
                 if temp == 0:
-                    assert out["tokens"] == plain.row.generated, "greedy mlx-vlm MTP left plain decoding"
+                    assert out["tokens"] == outputs["plain"], "greedy mlx-vlm MTP left plain decoding"
                 engines[PEER].append((len(out["tokens"]) - 1) / out["seconds"] if out["seconds"] > 0 else 0.0)
                 peer_stats.append(out)
     plain_tps = statistics.median(engines["plain"])
@@ -294,14 +315,14 @@ def _bench_depth(session, requests, K, temp, continuation, repeats, say, peer=No
     costs["decode_ms"] = 1000 / plain_tps if plain_tps else 0.0  # t_decode is a plain mlx-lm step
     results = []
     for name, values in engines.items():
-        entry = _entry(name, temp, K, 1, statistics.median(values), plain_tps)
+        entry = _entry(name, temp, K, 1, statistics.median(values))
         if name == PEER:
             entry.update(_peer_rates(peer_stats))
         if name in stats:
             pooled = DecodeStats.pooled(stats[name])
             entry.update(acceptance_rate=pooled.acceptance_rate, tokens_per_round=pooled.tokens_per_round)
         results.append(entry)
-    _with_bounds(results, costs, K)
+    _with_bounds(results, costs, K, engines)
     for entry in results:
         entry.update(costs)
         say(_row(entry))

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from .decode.loop import Request, SpeculativeDecoder
-from .bench import NO_DRAFT
+from .bench import NO_DRAFT, rotated
 from .decode.oracle import OracleDrafter
 from .runner import Session, regime, run_mtp, run_plain
 from .fixtures.tiny import TinySpec, write_pair
@@ -80,7 +80,7 @@ def run_demo(max_tokens: int = 96, draft_tokens: int = 3, as_json: bool = False,
                    "oracle": lambda: run_mtp(oracle, request)}
         runs = {name: [] for name in engines}
         for repeat in range(repeats + 1):  # alternating runs; the first pass warms up (compiling)
-            for name, engine in engines.items():
+            for name, engine in rotated(list(engines.items()), repeat):
                 outcome = engine()
                 if repeat:
                     runs[name].append(outcome)

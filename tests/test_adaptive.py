@@ -154,6 +154,43 @@ def test_requests_of_one_kind_share_their_acceptance(pair_31b):
     assert sampled.controller.position_acceptance()[0] == 0.75  # a sampled one from the generic prior
 
 
+def test_costs_follow_the_context_length():
+    """Short and long requests alternate; at the long ones a step costs twice as much and a
+    drafting round five times a short one's, so drafting wins on short requests and loses on long
+    ones.  One set of costs for both keeps the wrong estimate half the time; costs per context
+    length keep each kind near its best."""
+    from omlx_mtp.decode.adaptive import context_bucket
+
+    short, long_ = (1.0, lambda k: 1.1 + 0.1 * k), (2.0, lambda k: 4.0 + 1.0 * k)
+    buckets = {context_bucket(300): RoundCosts(), context_bucket(9000): RoundCosts()}
+    seconds = {300: 0.0, 9000: 0.0}
+    memory = AcceptanceMemory()
+    for i in range(20):
+        context = (300, 9000)[i % 2]
+        plain, cost = short if context == 300 else long_
+        controller = DepthController(max_depth=8, costs=buckets[context_bucket(context)], memory=memory)
+        speed, _ = simulate(controller, 0.8, plain, cost, tokens=100, seed=i)
+        seconds[context] += 100 / speed
+    assert 1000 / seconds[9000] >= 0.97 * 0.5  # plain speed at the long context
+    assert 1000 / seconds[300] >= 0.9 * best_fixed_rate(0.8, 1.0, short[1], 8)
+
+
+def test_a_new_context_length_starts_from_the_nearest_one_measured(pair_31b):
+    decoder = SpeculativeDecoder(pair_31b.target, pair_31b.drafter, draft_tokens="auto", max_draft_tokens=3)
+    short = decoder.round_costs(1, 3, 300)
+    assert decoder.round_costs(1, 3, 1500) is short and decoder.round_costs(2, 3, 300) is not short
+    short.observe(0, 0.01)
+    short.observe(2, 0.03)
+    long_ = decoder.round_costs(1, 3, 9000)
+    assert long_ is not short and long_.times == short.times and long_.stale  # a guess, plain measured again
+    batch = decoder.batch()  # a row of 2,100 tokens decodes on the costs of its length
+    row = batch.new_row(Request(prompts(1, pair_31b.spec.vocab_size, lengths=(2100,))[0], max_tokens=4))
+    cache, hidden, logits = decoder._prefill([row.request], slack=batch.max_depth + 1)
+    batch.start([row], cache, hidden, logits)
+    batch.round()
+    assert row.controller.costs is decoder.round_costs(1, 3, 2100) is not short
+
+
 def half_speed_every_other(period: float):
     return lambda clock: 2.0 if (clock // period) % 2 else 1.0
 

@@ -129,6 +129,22 @@ class RoundCosts:
     def drafting_known(self) -> bool:
         return any(k > 0 for k in self.times)
 
+    def carried(self) -> "RoundCosts":
+        """A copy to start another context length from: its drafting line is a first guess, and its
+        plain step is measured again before it is trusted."""
+        copy = RoundCosts(self.smoothing, self.fit_decay, self.outlier, self.max_stalls, self.drift,
+                          dict(self.times), _fit=list(self._fit))
+        copy.stale = True
+        return copy
+
+
+def context_bucket(tokens: int) -> int:
+    """Which costs a row of this many tokens shares: one set below 2k tokens, then one per doubling.
+    Attention's share of a step grows with the context, and a verify's share faster (K + 1 queries
+    over the whole K/V) or slower (one read of K/V for all of them) than a plain step's, so costs
+    measured on short requests do not hold for long ones."""
+    return max(0, int(tokens).bit_length() - 11)
+
 
 @dataclass
 class AcceptanceMemory:

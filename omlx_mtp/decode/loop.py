@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from .acceptance import (accept_greedy, accept_greedy_graph, accept_sampled, accept_sampled_graph, allowed_drafts,
                          kept_hidden)
-from .adaptive import AcceptanceMemory, DepthController, RoundCosts
+from .adaptive import AcceptanceMemory, DepthController, RoundCosts, context_bucket
 from .compiled_forward import TraceCache
 from . import cache as caches
 from .sampling import SamplingParams, draft_probs, log_softmax, target_probs
@@ -260,8 +260,20 @@ class LiveBatch:
                                            costs=self.decoder.round_costs(*key))
         return by_size[key]
 
+    def _follow_context(self) -> None:
+        """Point every controller at the costs of its context length (the batch's: its longest row)."""
+        lengths = caches.lengths_of(self.cache)
+        batch = self._batch_controller()
+        if batch is not None:
+            batch.costs = self.decoder.round_costs(len(self.rows), self.max_depth, max(lengths))
+            return
+        for row, length in zip(self.rows, lengths):
+            if row.controller is not None and self.auto:
+                row.controller.costs = self.decoder.round_costs(1, self.max_depth, length)
+
     def _depths(self, rows: list[RowState]) -> list[int]:
         """The depth each row wants for the next round."""
+        self._follow_context()
         batch = self._batch_controller()
         if batch is None:
             return [self._wanted(row) for row in rows]
@@ -418,7 +430,7 @@ class SpeculativeDecoder:
         self._trace_caches: OrderedDict = OrderedDict()  # name -> TraceCache (draft steps, acceptance)
         self._retired_traces = 0
         self.batch_controllers: dict = {}  # (batch size, max depth) -> DepthController, for auto
-        self._round_costs: dict = {}  # (batch size, max depth) -> RoundCosts, shared by its controllers
+        self._round_costs: dict = {}  # (batch size, max depth, context bucket) -> RoundCosts
         self._acceptance: dict = {}  # sampling kind -> AcceptanceMemory, shared by its requests
         self.mask_drafts = True  # rows under a grammar draft only what it allows
 
@@ -448,10 +460,18 @@ class SpeculativeDecoder:
         """An empty batch that rows can join; draft_tokens defaults to the decoder's."""
         return LiveBatch(self, self.draft_tokens if draft_tokens is None else draft_tokens, seed)
 
-    def round_costs(self, batch_size: int, max_depth: int) -> RoundCosts:
-        """What rounds cost at this batch size, as measured so far: a property of the model and
-        the machine, so every request (and its controller) shares it."""
-        return self._round_costs.setdefault((batch_size, max_depth), RoundCosts())
+    def round_costs(self, batch_size: int, max_depth: int, context: int = 0) -> RoundCosts:
+        """What rounds cost at this batch size and context length (tokens; ``context_bucket``), as
+        measured so far: a property of the model and the machine, so every request (and its
+        controller) shares it.  A length not seen yet starts from the nearest one measured."""
+        key = (batch_size, max_depth, context_bucket(context))
+        costs = self._round_costs.get(key)
+        if costs is None:
+            near = [k for k in self._round_costs if k[:2] == key[:2]]
+            nearest = min(near, key=lambda k: abs(k[2] - key[2]), default=None)
+            costs = self._round_costs[nearest].carried() if nearest else RoundCosts()
+            self._round_costs[key] = costs
+        return costs
 
     def acceptance_memory(self, params: SamplingParams) -> AcceptanceMemory:
         """Recent acceptance of requests drawn like ``params`` (greedy, or one sampled distribution):

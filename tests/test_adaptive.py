@@ -183,6 +183,9 @@ def test_a_new_context_length_starts_from_the_nearest_one_measured(pair_31b):
     short.observe(2, 0.03)
     long_ = decoder.round_costs(1, 3, 9000)
     assert long_ is not short and long_.times == short.times and long_.stale  # a guess, plain measured again
+    decoder.round_costs(2, 3, 300).observe(0, 0.02)
+    wider = decoder.round_costs(5, 3, 300)  # a batch size not seen: from the nearest size measured
+    assert wider.stale and wider.times == {0: 0.02}
     batch = decoder.batch()  # a row of 2,100 tokens decodes on the costs of its length
     row = batch.new_row(Request(prompts(1, pair_31b.spec.vocab_size, lengths=(2100,))[0], max_tokens=4))
     cache, hidden, logits = decoder._prefill([row.request], slack=batch.max_depth + 1)

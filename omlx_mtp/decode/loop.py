@@ -255,9 +255,10 @@ class LiveBatch:
             return None
         by_size = self.decoder.batch_controllers
         key = (len(self.rows), self.max_depth)
-        if key not in by_size:
+        if key not in by_size:  # its acceptance prior: what requests like its first row's accepted
             by_size[key] = DepthController(self.max_depth, self.decoder.min_acceptance,
-                                           costs=self.decoder.round_costs(*key))
+                                           costs=self.decoder.round_costs(*key),
+                                           memory=self.decoder.acceptance_memory(self.rows[0].request.params))
         return by_size[key]
 
     def _follow_context(self) -> None:
@@ -463,12 +464,13 @@ class SpeculativeDecoder:
     def round_costs(self, batch_size: int, max_depth: int, context: int = 0) -> RoundCosts:
         """What rounds cost at this batch size and context length (tokens; ``context_bucket``), as
         measured so far: a property of the model and the machine, so every request (and its
-        controller) shares it.  A length not seen yet starts from the nearest one measured."""
+        controller) shares it.  A batch size or length not seen yet starts from the nearest one
+        measured (a batch whose rows finish one by one passes through every smaller size)."""
         key = (batch_size, max_depth, context_bucket(context))
         costs = self._round_costs.get(key)
         if costs is None:
-            near = [k for k in self._round_costs if k[:2] == key[:2]]
-            nearest = min(near, key=lambda k: abs(k[2] - key[2]), default=None)
+            near = [k for k in self._round_costs if k[1] == max_depth]
+            nearest = min(near, key=lambda k: (abs(k[0] - batch_size), abs(k[2] - key[2])), default=None)
             costs = self._round_costs[nearest].carried() if nearest else RoundCosts()
             self._round_costs[key] = costs
         return costs

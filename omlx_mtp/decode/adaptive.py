@@ -15,8 +15,11 @@ not a request, so every request of a server shares what earlier ones measured.
 
 t(k) for drafting rounds comes from a line fitted to recent rounds of all depths, kept in plain
 steps (one noisy round then moves every estimate a little instead of one estimate a lot); a round
-slower than twice its estimate is taken for a stall elsewhere on the machine and left out, unless
-several come in a row (then the machine did get slower); three rounds in a row 25% off their
+slower than three times its estimate is taken for a stall elsewhere on the machine and counted as
+three times its estimate, unless several come in a row (then the machine did get slower).  Stalls are
+counted, not left out: they strike plain stretches and drafting rounds alike, and a stretch absorbs
+its stall into the mean of its steps, so leaving out only drafting rounds' stalls made drafting look
+cheaper than it was.  Three rounds in a row 25% off their
 estimate ask for plain steps to be measured again.  The s_i are decayed counts,
 each position leaning on the one before it while it has few trials, with a prior worth two drafts at
 75%, so one unlucky round does not send a good drafter away while a few rejected rounds stop a
@@ -50,7 +53,7 @@ class RoundCosts:
 
     smoothing: float = 0.2  # EMA weight of a new round time
     fit_decay: float = 0.95  # for the line through drafting round times (about twenty rounds)
-    outlier: float = 2.0  # a round slower than this many times its estimate is a stall, not a cost...
+    outlier: float = 3.0  # a round slower than this many times its estimate is a stall, counted as this...
     max_stalls: int = 3  # ... unless it is the fourth such round in a row
     drift: float = 1.25  # drafting rounds this far off their estimate, three in a row: the speed moved
     times: dict = field(default_factory=dict)  # depth -> EMA (0: seconds per plain step; k > 0: plain steps)
@@ -74,9 +77,10 @@ class RoundCosts:
             value, expected = seconds / (self.plain or 1.0), self._relative(k, self.line())
         kind = int(k > 0)
         if expected and value > self.outlier * expected and self._stalls[kind] < self.max_stalls:
-            self._stalls[kind] += 1  # a stall elsewhere on the machine says nothing about depths
-            return
-        self._stalls[kind] = 0  # (several in a row: the machine did get slower, and the estimates follow)
+            self._stalls[kind] += 1  # a stall elsewhere on the machine: counted, but at most this much
+            value = self.outlier * expected
+        else:
+            self._stalls[kind] = 0  # (several in a row: the machine did get slower, and the estimates follow)
         if k and expected:
             off = value > self.drift * expected or value * self.drift < expected
             self._drifted = self._drifted + 1 if off else 0

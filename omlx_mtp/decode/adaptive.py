@@ -151,43 +151,56 @@ def context_bucket(tokens: int) -> int:
 
 
 @dataclass
+class PositionCounts:
+    """Decayed counts, per draft position, of drafts looked at and drafts kept."""
+
+    decay: float
+    successes: list = field(default_factory=list)
+    trials: list = field(default_factory=list)
+
+    def observe(self, k: int, accepted: list[int]) -> None:
+        """A round of k drafts in which row r kept accepted[r] of them."""
+        grow = k - len(self.trials)
+        if grow > 0:
+            self.successes += [0.0] * grow
+            self.trials += [0.0] * grow
+        for i in range(len(self.trials)):
+            tried = sum(1 for n in accepted if i < k and n >= i)  # rows whose draft i was looked at
+            kept = sum(1 for n in accepted if n > i)
+            self.successes[i] = self.decay * self.successes[i] + kept
+            self.trials[i] = self.decay * self.trials[i] + tried
+
+    def rates(self, depth: int, prior: float, weight: float, priors: list[float] | None = None) -> list[float]:
+        """s_i for positions 1..depth: each position's counts against a prior worth ``weight`` drafts,
+        ``priors[i]`` where given, else the estimate of the position before (``prior`` for the first),
+        so a position with few trials leans on its neighbour."""
+        out = []
+        for i in range(depth):
+            successes, trials = (self.successes[i], self.trials[i]) if i < len(self.trials) else (0.0, 0.0)
+            base = priors[i] if priors is not None else prior
+            prior = (successes + base * weight) / (trials + weight)
+            out.append(prior)
+        return out
+
+
+@dataclass
 class AcceptanceMemory:
     """Per draft position, how often drafts were accepted in the recent rounds of every request of
     one kind (greedy, or one sampled distribution) on one decoder.  A new request's controller
     starts from it instead of a generic prior: requests of a server are short, and learning the
     drafter's acceptance again in each one costs rounds that lose where drafting does not pay."""
 
-    decay: float = 0.99  # per round observed: about the last hundred rounds, a few requests
-    successes: list = field(default_factory=list)
-    trials: list = field(default_factory=list)
+    counts: PositionCounts = field(default_factory=lambda: PositionCounts(decay=0.99))  # a few requests' rounds
     probe_wait: int = 0  # plain rounds between probes that earlier requests reached (0: none rejected)
 
     def observe(self, k: int, accepted: list[int]) -> None:
-        grow = k - len(self.trials)
-        if grow > 0:
-            self.successes += [0.0] * grow
-            self.trials += [0.0] * grow
-        for i in range(len(self.trials)):
-            tried, kept = _position_counts(accepted, k, i)
-            self.successes[i] = self.decay * self.successes[i] + kept
-            self.trials[i] = self.decay * self.trials[i] + tried
+        self.counts.observe(k, accepted)
 
     def rates(self, depth: int, prior: float, weight: float) -> list[float] | None:
-        """s_i for draft positions 1..depth once any round was seen (None before): each position
-        leans on the one before it while it has few trials, so one lucky deep draft says little."""
-        if not self.trials or self.trials[0] < 1.0:
+        """s_i for draft positions 1..depth once any round was seen (None before)."""
+        if not self.counts.trials or self.counts.trials[0] < 1.0:
             return None
-        out = []
-        for i in range(depth):
-            successes, trials = (self.successes[i], self.trials[i]) if i < len(self.trials) else (0.0, 0.0)
-            prior = (successes + prior * weight) / (trials + weight)
-            out.append(prior)
-        return out
-
-
-def _position_counts(accepted: list[int], k: int, i: int) -> tuple[int, int]:
-    """(rows whose draft i was looked at, rows that kept it) in a round of k drafts."""
-    return sum(1 for n in accepted if i < k and n >= i), sum(1 for n in accepted if n > i)
+        return self.counts.rates(depth, prior, weight)
 
 
 @dataclass
@@ -222,8 +235,10 @@ class DepthController:
     _measure: int = 0  # plain steps still to take for a measurement
     _measurements: int = 0  # plain measurements started while no plain time was known
     _untimed_plain: bool = False  # a plain step came back untimed (it compiled its graph)
-    _position_successes: list = field(default_factory=list)  # per draft position, decayed
-    _position_trials: list = field(default_factory=list)
+    _positions: PositionCounts | None = None  # this request's acceptance per draft position
+
+    def __post_init__(self):
+        self._positions = PositionCounts(self.decay)
 
     @property
     def times(self) -> dict:
@@ -235,17 +250,11 @@ class DepthController:
 
     def position_acceptance(self) -> list[float]:
         """s_i for draft positions 1..max_depth."""
-        out, prior = [], self.prior_successes / self.prior_trials
+        prior = self.prior_successes / self.prior_trials
         remembered = self.memory.rates(self.max_depth, prior, self.prior_trials) if self.memory is not None else None
-        for i in range(self.max_depth):
-            successes = self._position_successes[i] if i < len(self._position_successes) else 0.0
-            trials = self._position_trials[i] if i < len(self._position_trials) else 0.0
-            if remembered is None:  # a generic prior, each position leaning on the one before
-                prior = (successes + prior * self.prior_trials) / (trials + self.prior_trials)
-            else:
-                prior = (successes + remembered[i] * self.memory_weight) / (trials + self.memory_weight)
-            out.append(prior)
-        return out
+        if remembered is None:  # a generic prior, each position leaning on the one before
+            return self._positions.rates(self.max_depth, prior, self.prior_trials)
+        return self._positions.rates(self.max_depth, prior, self.memory_weight, priors=remembered)
 
     def expected_tokens(self) -> list[float]:
         """E(k) for k = 0..max_depth, in one pass over the draft positions."""
@@ -361,13 +370,6 @@ class DepthController:
                     self.memory.probe_wait = self._wait
         self._successes = self.decay * self._successes + sum(accepted)
         self._trials = self.decay * self._trials + sum(n + 1 if n < k else k for n in accepted)
-        grow = k - len(self._position_trials)
-        if grow > 0:
-            self._position_successes += [0.0] * grow
-            self._position_trials += [0.0] * grow
-        for i in range(len(self._position_trials)):
-            tried, kept = _position_counts(accepted, k, i)
-            self._position_successes[i] = self.decay * self._position_successes[i] + kept
-            self._position_trials[i] = self.decay * self._position_trials[i] + tried
+        self._positions.observe(k, accepted)
         if probe_accepted and not self._hopeless and self._within_reach():
             self._wait, self._trial = self.probe_every, self.trial_rounds

@@ -10,8 +10,9 @@ What drafting is compared against matters most.  t(0) is the *measured* cost of 
 pipelined plain stretch (no host sync per step), never a guess from the drafting rounds: a line
 through those rounds meets k = 0 well above a pipelined step, and a controller that believes it
 keeps drafting where drafting loses.  So plain steps are measured before the first drafting round
-and again every ``refresh_every`` drafting rounds; the costs (``RoundCosts``) belong to a batch size,
-not a request, so every request of a server shares what earlier ones measured.
+and again every ``refresh_every`` drafting rounds; the costs (``RoundCosts``) belong to a batch size
+and a context length (``context_bucket``), not a request, so every request of a server shares what
+earlier ones measured, and costs measured on short requests are not applied to long ones.
 
 t(k) for drafting rounds comes from a line fitted to recent rounds of all depths, kept in plain
 steps (one noisy round then moves every estimate a little instead of one estimate a lot); a round
@@ -26,8 +27,9 @@ each position leaning on the one before it while it has few trials, with a prior
 useless one.  Once requests of the same kind (greedy, or one sampled distribution) have decoded,
 a new request's prior is their recent acceptance instead (``AcceptanceMemory``, worth four drafts
 per position), and its probes start from the wait they reached: a server's requests are short, and
-learning acceptance again in each one costs drafting rounds where drafting loses.  Every ``explore_every`` drafting rounds one goes a draft deeper than the best, so
-deeper positions get measured.  Drafting must promise ``margin`` over plain.
+learning acceptance again in each one costs drafting rounds where drafting loses.  Every
+``explore_every`` drafting rounds one goes a draft deeper than the best, so deeper positions get
+measured.  Drafting must promise ``margin`` over plain.
 
 When plain wins, MTP steps aside and probes after ``probe_every`` rounds, doubling the wait after
 each rejected probe.  Where drafts lost on acceptance, an accepted probe that brings the estimate
@@ -134,8 +136,8 @@ class RoundCosts:
         return any(k > 0 for k in self.times)
 
     def carried(self) -> "RoundCosts":
-        """A copy to start another context length from: its drafting line is a first guess, and its
-        plain step is measured again before it is trusted."""
+        """A copy to start another context length or batch size from: its drafting line is a first
+        guess, and its plain step is measured again before it is trusted."""
         copy = RoundCosts(self.smoothing, self.fit_decay, self.outlier, self.max_stalls, self.drift,
                           dict(self.times), _fit=list(self._fit))
         copy.stale = True

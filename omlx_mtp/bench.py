@@ -283,15 +283,14 @@ def _bench_depth(session, requests, K, temp, continuation, repeats, say, peer=No
     if peer is not None:
         engines[PEER], peer_stats = [], []
     runs = [(NO_DRAFT, session.decoder, 0)] + [(name, decoder, K) for name, decoder in drafting.items()]
-    turn = 0
-    for request in requests:
+    for index, request in enumerate(requests):
         for _, decoder, depth in runs:  # warm-up at this depth
             run_mtp(decoder, request, seed=0, draft_tokens=depth)
         if peer is not None:
             _run_peer(peer, request, temp, K, seed=0)
         for repeat in range(repeats):
             outputs = {}
-            for name, decoder, depth in rotated([("plain", None, 0)] + runs, turn):
+            for name, decoder, depth in rotated([("plain", None, 0)] + runs, index * repeats + repeat):
                 if decoder is None:
                     out = run_plain(session.model, request, seed=repeat)
                 else:
@@ -300,7 +299,6 @@ def _bench_depth(session, requests, K, temp, continuation, repeats, say, peer=No
                 engines[name].append(out.tokens_per_second)
                 if name in stats:
                     stats[name].append(out.row.stats)
-            turn += 1
             if temp == 0:
                 for name, tokens in outputs.items():
                     assert tokens == outputs["plain"], f"greedy {name} left plain decoding"

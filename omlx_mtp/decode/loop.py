@@ -261,21 +261,23 @@ class LiveBatch:
                                            memory=self.decoder.acceptance_memory(self.rows[0].request.params))
         return by_size[key]
 
-    def _follow_context(self) -> None:
-        """Point every controller at the costs of its context length (the batch's: its longest row)."""
+    def _follow_context(self, batch: DepthController | None) -> None:
+        """Point auto's controllers at the costs of their context length (``batch``, the batch's
+        controller: its longest row's)."""
+        if not self.auto:
+            return
         lengths = caches.lengths_of(self.cache)
-        batch = self._batch_controller()
         if batch is not None:
             batch.costs = self.decoder.round_costs(len(self.rows), self.max_depth, max(lengths))
             return
         for row, length in zip(self.rows, lengths):
-            if row.controller is not None and self.auto:
+            if row.controller is not None:
                 row.controller.costs = self.decoder.round_costs(1, self.max_depth, length)
 
     def _depths(self, rows: list[RowState]) -> list[int]:
         """The depth each row wants for the next round."""
-        self._follow_context()
         batch = self._batch_controller()
+        self._follow_context(batch)
         if batch is None:
             return [self._wanted(row) for row in rows]
         depth, self._batch_pending = self._batch_pending, None

@@ -15,10 +15,11 @@ import json
 import statistics
 
 from omlx_mtp.decode.grammar import GrammarCompiler
-from omlx_mtp.decode.loop import DecodeStats, Request, SpeculativeDecoder
+from omlx_mtp.decode.requests import DecodeStats, Request
+from omlx_mtp.decode.loop import SpeculativeDecoder
 from omlx_mtp.decode.sampling import SamplingParams
-from omlx_mtp.demo import PAIR_DIR
-from omlx_mtp.runner import Session, regime, run_mtp, run_plain
+from omlx_mtp.fixtures.demo import PAIR_DIR
+from omlx_mtp.tools.session import Session, regime, run_mtp, run_plain
 
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\nclass ", '    config = {"name": ']
 FILE = {"type": "object", "additionalProperties": False, "required": ["name", "count", "kind"],

@@ -22,9 +22,9 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import KVCache, make_prompt_cache  # noqa: E402
 
 from omlx_mtp.decode import cache as caches  # noqa: E402
-from omlx_mtp.decode.loop import Request  # noqa: E402
-from omlx_mtp.demo import demo_pair  # noqa: E402
-from omlx_mtp.runner import Session, regime  # noqa: E402
+from omlx_mtp.decode.requests import Request
+from omlx_mtp.fixtures.demo import demo_pair
+from omlx_mtp.tools.session import Session, regime  # noqa: E402
 
 MiB = 2**20
 

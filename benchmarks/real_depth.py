@@ -17,9 +17,9 @@ import json
 
 import mlx.core as mx
 
-from omlx_mtp.bench import component_costs, speedup_bound
+from omlx_mtp.tools.bench import component_costs, speedup_bound
 from omlx_mtp.fixtures.synthetic import synthetic_pair
-from omlx_mtp.runner import Session, regime
+from omlx_mtp.tools.session import Session, regime
 
 
 def measure(args, layers: int) -> dict:

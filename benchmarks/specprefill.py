@@ -32,10 +32,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from omlx_mtp.demo import demo_pair  # noqa: E402
-from omlx_mtp.host.batch_generator import MTPBatchGenerator  # noqa: E402
-from omlx_mtp.models import load_target  # noqa: E402
-from omlx_mtp.runner import Session, regime  # noqa: E402
+from omlx_mtp.fixtures.demo import demo_pair
+from omlx_mtp.hosts.batch_generator import MTPBatchGenerator  # noqa: E402
+from omlx_mtp.checkpoint.loading import load_target  # noqa: E402
+from omlx_mtp.tools.session import Session, regime  # noqa: E402
 
 PREFILL_STEP = 2048  # oMLX's prefill_step_size
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from omlx_mtp.decode.loop import Request  # noqa: E402
-from omlx_mtp.demo import PROMPTS, demo_pair  # noqa: E402
-from omlx_mtp.runner import Session, regime, run_mtp, run_plain  # noqa: E402
+from omlx_mtp.decode.requests import Request
+from omlx_mtp.fixtures.demo import PROMPTS, demo_pair
+from omlx_mtp.tools.session import Session, regime, run_mtp, run_plain  # noqa: E402
 from omlx_mtp.fixtures.tiny_vlm import demo_vlm  # noqa: E402
 
 

@@ -1,16 +1,8 @@
-"""omlx-mtp: lossless multi-token-prediction speculative decoding for oMLX and mlx-lm."""
+"""omlx-mtp: lossless multi-token-prediction speculative decoding for oMLX, mlx-lm and mlx-vlm.
 
-__version__ = "0.1.0"
+Packages by concern: ``checkpoint`` (reading, loading, quantizing, inspecting checkpoints),
+``decode`` (the speculative loop; depends on nothing above it), ``drafters`` and ``targets`` (one
+module per model family), ``hosts`` (what oMLX and mlx-lm's BatchGenerator call), ``tools`` (the
+``omlx-mtp`` command), ``fixtures`` and ``training`` (tiny and demo checkpoints)."""
 
-
-def get_plugin_manager():
-    """A pluggy manager for project "omlx" with the hook contract and every installed plugin
-    (entry point group "omlx", omlx-mtp's own included)."""
-    import pluggy
-
-    from . import hookspecs
-
-    manager = pluggy.PluginManager(hookspecs.PROJECT)
-    manager.add_hookspecs(hookspecs)
-    manager.load_setuptools_entrypoints(hookspecs.PROJECT)
-    return manager
+__version__ = "0.2.0"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from omlx_mtp.training.gemma4 import PairSpec, build_pair, distill_assistant
 
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "omlx_mtp" / "demo_pair"
+DEFAULT_OUT = Path(__file__).resolve().parent.parent / "omlx_mtp" / "fixtures" / "demo_pair"
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out", nargs="?", default=str(DEFAULT_OUT))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from omlx_mtp.training.qwen3_5 import build_qwen_pair
 
-PACKAGE = Path(__file__).resolve().parent.parent / "omlx_mtp"
+PACKAGE = Path(__file__).resolve().parent.parent / "omlx_mtp" / "fixtures"
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out", nargs="?", default=str(PACKAGE / "demo_qwen"))

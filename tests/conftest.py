@@ -9,7 +9,7 @@ import pytest
 
 from omlx_mtp.targets import wrap_target
 from omlx_mtp.drafters import load_drafter
-from omlx_mtp.models import load_target
+from omlx_mtp.checkpoint.loading import load_target
 from omlx_mtp.fixtures.tiny import TinySpec, write_pair
 
 # Tests never reach the network: subprocesses (oMLX, oQ) inherit these too.

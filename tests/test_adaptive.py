@@ -7,10 +7,11 @@ import random
 
 import pytest
 
-from omlx_mtp.decode.adaptive import AcceptanceMemory, DepthController, RoundCosts
-from omlx_mtp.decode.loop import DecodeStats, Request, SpeculativeDecoder
-from omlx_mtp.decode.oracle import OracleDrafter
-from omlx_mtp.runner import run_plain
+from omlx_mtp.decode.controller import AcceptanceMemory, DepthController, RoundCosts
+from omlx_mtp.decode.requests import DecodeStats, Request
+from omlx_mtp.decode.loop import SpeculativeDecoder
+from omlx_mtp.drafters.oracle import OracleDrafter
+from omlx_mtp.tools.session import run_plain
 
 from .conftest import prompts
 
@@ -168,7 +169,7 @@ def test_costs_follow_the_context_length():
     drafting round five times a short one's, so drafting wins on short requests and loses on long
     ones.  One set of costs for both keeps the wrong estimate half the time; costs per context
     length keep each kind near its best."""
-    from omlx_mtp.decode.adaptive import context_bucket
+    from omlx_mtp.decode.controller import context_bucket
 
     short, long_ = (1.0, lambda k: 1.1 + 0.1 * k), (2.0, lambda k: 4.0 + 1.0 * k)
     buckets = {context_bucket(300): RoundCosts(), context_bucket(9000): RoundCosts()}
@@ -325,7 +326,7 @@ def memory_bound_costs(monkeypatch):
     """Round times from a cost model instead of this machine's clock, so the depth choices below do
     not depend on its speed: a plain step costs 1, a round of k drafts 1 + 0.1 k (a verify reads the
     weights once, as on a memory-bound GPU; drafts are cheap).  Untimed rounds stay untimed."""
-    from omlx_mtp.decode.loop import LiveBatch
+    from omlx_mtp.decode.batch import LiveBatch
 
     observe = LiveBatch._observe
 
@@ -386,7 +387,7 @@ def test_rounds_that_compiled_a_graph_are_not_timed(pair_31b):
 def test_scripted_accuracy_drafts_are_right_at_their_rate_and_stay_lossless(pair_31b, accuracy):
     """The benchmark drafter for real widths: drafts right with probability a each, so a round of K
     keeps n < K with probability a^n (1 - a); greedy output stays plain decoding's."""
-    from omlx_mtp.decode.oracle import ScriptedAccuracyDecoder
+    from omlx_mtp.drafters.oracle import ScriptedAccuracyDecoder
 
     batch = prompts(4, pair_31b.spec.vocab_size, seed=6)
     references = {tuple(p): run_plain(pair_31b.model, Request(p, max_tokens=80)).row.generated for p in batch}
@@ -414,7 +415,7 @@ def test_stalls_that_strike_every_round_alike_do_not_make_drafting_look_cheap(ra
 def test_plain_steps_of_seconds_are_costs_and_one_plain_spike_is_a_stall():
     """Plain steps are judged in seconds: a slow model's 3 s steps are its cost, not stalls, while
     one step ten times its neighbours (a stall elsewhere) counts as three at most."""
-    from omlx_mtp.decode.adaptive import RoundCosts
+    from omlx_mtp.decode.controller import RoundCosts
 
     costs = RoundCosts()
     for _ in range(8):

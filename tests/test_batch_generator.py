@@ -14,8 +14,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from omlx_mtp.decode.loop import SpeculativeDecoder
-from omlx_mtp.decode.oracle import OracleDrafter
-from omlx_mtp.host.batch_generator import MTPBatchGenerator
+from omlx_mtp.drafters.oracle import OracleDrafter
+from omlx_mtp.hosts.batch_generator import MTPBatchGenerator
 
 from .conftest import prompts
 from .stats import chi_square_p_value

@@ -14,11 +14,12 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.generate import generate_step
 
-from omlx_mtp.decode.loop import Request, SpeculativeDecoder
-from omlx_mtp.decode.oracle import OracleDrafter
+from omlx_mtp.decode.requests import Request
+from omlx_mtp.decode.loop import SpeculativeDecoder
+from omlx_mtp.drafters.oracle import OracleDrafter
 from omlx_mtp.targets import wrap_target
 from omlx_mtp.drafters import load_drafter
-from omlx_mtp.models import load_target
+from omlx_mtp.checkpoint.loading import load_target
 
 from .conftest import SPEC_31B, SPEC_E2B, Pair, prompts
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from omlx_mtp.cli import main
-from omlx_mtp.peer import peer_available
+from omlx_mtp.tools.cli import main
+from omlx_mtp.tools.peer import peer_available
 from omlx_mtp.fixtures.tiny import TinySpec, write_assistant
 
 FIELDS = {"text", "tokens", "generated_tokens", "mtp", "rounds", "drafted", "accepted", "acceptance_rate",
@@ -147,7 +147,7 @@ def test_bad_sampling_option(pair_31b, capsys):
 
 
 def test_python_dash_m(pair_31b):
-    proc = subprocess.run([sys.executable, "-m", "omlx_mtp.cli", "generate", "--model", str(pair_31b.target_dir),
+    proc = subprocess.run([sys.executable, "-m", "omlx_mtp", "generate", "--model", str(pair_31b.target_dir),
                            "--drafter", "/nonexistent", "--prompt", "x"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
 

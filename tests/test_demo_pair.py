@@ -6,10 +6,11 @@ import json
 
 import pytest
 
-from omlx_mtp.cli import main
-from omlx_mtp.decode.loop import QUERY_AT_BONUS, Request, SpeculativeDecoder
-from omlx_mtp.demo import PAIR_DIR, PROMPTS
-from omlx_mtp.runner import Session
+from omlx_mtp.tools.cli import main
+from omlx_mtp.decode.loop import QUERY_AT_BONUS, SpeculativeDecoder
+from omlx_mtp.decode.requests import Request
+from omlx_mtp.fixtures.demo import PAIR_DIR, PROMPTS
+from omlx_mtp.tools.session import Session
 
 shipped = pytest.mark.skipif(not (PAIR_DIR / "assistant" / "config.json").is_file(),
                              reason="the trained demo pair is not in this checkout")

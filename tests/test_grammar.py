@@ -21,11 +21,12 @@ import numpy as np
 import pytest
 
 from omlx_mtp.decode import processors as row_processors
-from omlx_mtp.decode.loop import QUERY_AT_BONUS, Request, SpeculativeDecoder
+from omlx_mtp.decode.loop import QUERY_AT_BONUS, SpeculativeDecoder
+from omlx_mtp.decode.requests import Request
 from omlx_mtp.decode.processors import MATCHER, OPAQUE, PURE, SNAPSHOT, RowProcessors, kind_of
 from omlx_mtp.decode.sampling import SamplingParams, target_probs
-from omlx_mtp.demo import PAIR_DIR
-from omlx_mtp.runner import Session, run_plain
+from omlx_mtp.fixtures.demo import PAIR_DIR
+from omlx_mtp.tools.session import Session, run_plain
 
 from .stats import chi_square_p_value
 from .test_batch_generator import MAX_TOKENS, mlx_generate, run
@@ -249,7 +250,7 @@ def test_constrained_sampling_matches_exact_distribution(small, drafter_kind):  
 
 # -- behind the BatchGenerator API, requests joining while others run ----------------------------
 def test_batch_generator_grammar_rows(demo):
-    from omlx_mtp.host.batch_generator import MTPBatchGenerator
+    from omlx_mtp.hosts.batch_generator import MTPBatchGenerator
 
     session, compiler = demo
     named = grammars(compiler)
@@ -321,7 +322,7 @@ def test_omlx_grammar_and_thinking_budget_draft(demo, omlx_processors):
 
 # -- the command line ----------------------------------------------------------------------------
 def test_generate_with_a_json_schema(demo, tmp_path, capsys):
-    from omlx_mtp.cli import main
+    from omlx_mtp.tools.cli import main
 
     from .test_cli import expect_error
 

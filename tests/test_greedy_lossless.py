@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from omlx_mtp.decode.loop import QUERY_AT_BONUS, QUERY_AT_LAST, Request, SpeculativeDecoder
-from omlx_mtp.decode.oracle import OracleDrafter
-from omlx_mtp.runner import run_plain
+from omlx_mtp.decode.loop import QUERY_AT_BONUS, QUERY_AT_LAST, SpeculativeDecoder
+from omlx_mtp.decode.requests import Request
+from omlx_mtp.drafters.oracle import OracleDrafter
+from omlx_mtp.tools.session import run_plain
 
 from .conftest import prompts
 

@@ -11,12 +11,13 @@ import types
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
-from omlx_mtp.decode.loop import DecodeStats, SpeculativeDecoder
-from omlx_mtp.decode.oracle import OracleDrafter
-from omlx_mtp.host import omlx as host
-from omlx_mtp.host.stats import FALLBACK_REASONS, MTPCounters
-from omlx_mtp.settings import MTPSettings
-from omlx_mtp.strategy import MTPStrategy
+from omlx_mtp.decode.requests import DecodeStats
+from omlx_mtp.decode.loop import SpeculativeDecoder
+from omlx_mtp.drafters.oracle import OracleDrafter
+from omlx_mtp.hosts.omlx import call_sites as host
+from omlx_mtp.hosts.stats import FALLBACK_REASONS, MTPCounters
+from omlx_mtp.hosts.settings import MTPSettings
+from omlx_mtp.hosts.strategy import MTPStrategy
 
 from .conftest import prompts
 from .test_batch_generator import MAX_TOKENS, NoRepeat, plain_generator, prefilled, run, unreadable

@@ -18,9 +18,9 @@ pytest.importorskip("mlx_vlm")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from omlx_mtp.checkpoint import tensor_infos  # noqa: E402
-from omlx_mtp.cli import main  # noqa: E402
-from omlx_mtp.host.omlx import attach_decode_strategy, engine_built  # noqa: E402
+from omlx_mtp.checkpoint.files import tensor_infos  # noqa: E402
+from omlx_mtp.tools.cli import main  # noqa: E402
+from omlx_mtp.hosts.omlx.call_sites import attach_decode_strategy, engine_built  # noqa: E402
 from omlx_mtp.fixtures.tiny import TinySpec, write_assistant  # noqa: E402
 from omlx_mtp.fixtures.tiny_vlm import write_tiny_vlm  # noqa: E402
 
@@ -109,8 +109,8 @@ def test_mlx_vlm_loads_it_and_answers_an_image_prompt(quantized):
     from mlx_vlm.utils import load
     from PIL import Image
 
-    from omlx_mtp.multimodal import embedded_request
-    from omlx_mtp.runner import run_plain
+    from omlx_mtp.tools.multimodal import embedded_request
+    from omlx_mtp.tools.session import run_plain
     from omlx_mtp.targets import wrap_target
 
     model, processor = load(str(quantized))

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from omlx_mtp.cli import main
+from omlx_mtp.tools.cli import main
 from omlx_mtp.errors import MTPError
-from omlx_mtp.patcher import run
+from omlx_mtp.hosts.omlx.patcher import run, states
 
 SOURCE = os.environ.get("OMLX_SRC")
 pytestmark = pytest.mark.skipif(not SOURCE or not (Path(SOURCE) / "omlx" / "_version.py").is_file(),
@@ -64,7 +64,7 @@ def test_apply_is_idempotent_and_revert_byte_identical(tree, capsys):
 def test_tree_patched_by_an_earlier_release_is_completed_and_reverted(tree, capsys):
     """A tree carrying only the first patches (an earlier omlx-mtp) gets the missing ones; revert
     removes them all, byte for byte."""
-    from omlx_mtp.patcher import _git_apply, patches_for
+    from omlx_mtp.hosts.omlx.patcher import _git_apply, patches_for
 
     before = snapshot(tree)
     earlier = patches_for("0.3.8")[:-1]
@@ -74,6 +74,27 @@ def test_tree_patched_by_an_earlier_release_is_completed_and_reverted(tree, caps
     assert main(["patch", "apply", "--omlx", str(tree)]) == 0
     assert main(["patch", "apply", "--omlx", str(tree)]) == 0
     assert "already applied" in capsys.readouterr().out
+    assert main(["patch", "revert", "--omlx", str(tree)]) == 0
+    assert snapshot(tree) == before
+
+
+def test_tree_patched_by_0_1_0_is_upgraded(tree, capsys):
+    """omlx-mtp 0.1.0's call sites imported ``omlx_mtp.host.omlx``, which 0.2.0 no longer has (they
+    would silently fall back to plain decoding): ``check`` says so, ``apply`` swaps them for the
+    current ones, ``revert`` restores the release byte for byte."""
+    from omlx_mtp.hosts.omlx.patcher import _git_apply, patches_for, patches_root
+
+    before = snapshot(tree)
+    old = sorted((patches_root() / "omlx-0.3.8" / "superseded" / "0.1.0").glob("*.patch"))
+    assert old and _git_apply(tree, old).returncode == 0
+    assert "omlx_mtp.host.omlx" in (tree / "omlx" / "scheduler.py").read_text()
+    assert main(["patch", "check", "--omlx", str(tree)]) == 0
+    assert "patched by omlx-mtp 0.1.0" in capsys.readouterr().out
+    assert main(["patch", "apply", "--omlx", str(tree)]) == 0
+    assert "took off omlx-mtp 0.1.0's patches" in capsys.readouterr().out
+    scheduler = (tree / "omlx" / "scheduler.py").read_text()
+    assert "omlx_mtp.hosts.omlx.call_sites" in scheduler and "omlx_mtp.host.omlx" not in scheduler
+    assert all(state == "applied" for state in states(tree).values()) and len(states(tree)) == len(patches_for("0.3.8"))
     assert main(["patch", "revert", "--omlx", str(tree)]) == 0
     assert snapshot(tree) == before
 
@@ -167,10 +188,10 @@ def test_oq_puts_a_multimodal_checkpoints_head_where_mlx_vlm_does_not_load(tree,
 
 CALL_SITES = [  # (file, a line that must follow the call site, the call site's own lines)
     ("omlx/engine/vlm.py", "        self._loaded = True\n        logger.info(f\"VLMBatchedEngine loaded",
-     ["from omlx_mtp.host.omlx import attach_decode_strategy",
+     ["from omlx_mtp.hosts.omlx.call_sites import attach_decode_strategy",
       "self._engine.engine.scheduler,\n                self._vlm_model,\n                self._model_name,\n"]),
     ("omlx/engine_pool.py", "            entry.engine = engine\n",
-     ["from omlx_mtp.host.omlx import engine_built", "engine_built(engine, model_id, entry.model_path)"]),
+     ["from omlx_mtp.hosts.omlx.call_sites import engine_built", "engine_built(engine, model_id, entry.model_path)"]),
     # 0005: MTP counters in the scheduler's stats, the pool's status and the admin dashboard's models
     ("omlx/scheduler.py", "        return stats\n\n    def get_cache_stats(self)",
      ["            stats.update(mtp_fields(self))\n"]),
@@ -231,7 +252,7 @@ def test_engine_pool_tells_plugin_the_engine_that_serves(tree, plugin):
         import omlx.engine_pool as pool_mod
         seen = []
         if plugin != "not installed":
-            import omlx_mtp.host.omlx as host
+            import omlx_mtp.hosts.omlx.call_sites as host
             if plugin == "records":
                 host.engine_built = lambda engine, model_id, model_path: seen.append(
                     (type(engine).__name__, model_id, model_path))
@@ -289,7 +310,7 @@ def test_vlm_engine_start_attaches_decode_strategy(tree, plugin):
         import omlx.engine_core, omlx.engine.vlm as vlm_mod
         seen = []
         if {plugin!r}:
-            import omlx_mtp.host.omlx as host
+            import omlx_mtp.hosts.omlx.call_sites as host
             def attach(scheduler, model, model_path):
                 seen.append((model.name, model_path, scheduler._turboquant_kv_bits, scheduler.draft))
             host.attach_decode_strategy = attach

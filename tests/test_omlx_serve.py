@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from omlx_mtp.cli import main
-from omlx_mtp.demo import demo_pair
-from omlx_mtp.patcher import run
+from omlx_mtp.tools.cli import main
+from omlx_mtp.fixtures.demo import demo_pair
+from omlx_mtp.hosts.omlx.patcher import run
 
 from .test_omlx_patch import SOURCE, omlx_env, runs_omlx
 

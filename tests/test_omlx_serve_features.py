@@ -21,7 +21,7 @@ import shutil
 
 import pytest
 
-from omlx_mtp.demo import demo_pair
+from omlx_mtp.fixtures.demo import demo_pair
 
 from .test_omlx_serve import SERVES, chat, mtp_lines, omlx_server, patched_tree
 

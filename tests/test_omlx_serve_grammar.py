@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 
-from omlx_mtp.host import soak
+from omlx_mtp.tools import soak
 
 from .test_omlx_serve import SERVES, demo_models, mtp_lines, omlx_server
 
@@ -74,7 +74,7 @@ def _compiler():
     import xgrammar as xgr
     from transformers import AutoTokenizer
 
-    from omlx_mtp.demo import PAIR_DIR
+    from omlx_mtp.fixtures.demo import PAIR_DIR
 
     tokenizer = AutoTokenizer.from_pretrained(PAIR_DIR / "target")
     return xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer)), tokenizer.all_special_tokens

@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 
-from omlx_mtp.demo import demo_qwen
+from omlx_mtp.fixtures.demo import demo_qwen
 from omlx_mtp.fixtures.tiny_qwen import add_vision
 
 from .test_omlx_patch import _python

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from omlx_mtp.cli import main
+from omlx_mtp.tools.cli import main
 from omlx_mtp.fixtures.tiny import TinySpec, write_assistant
 from omlx_mtp.fixtures.tiny_vlm import add_towers, demo_vlm
 

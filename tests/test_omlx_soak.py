@@ -1,6 +1,6 @@
 """oMLX 0.3.8 serving MTP under load and faults (opt-in: OMLX_SOAK=1, with OMLX_SRC).
 
-16 clients send mixed requests (``omlx_mtp.host.soak.plan``: streaming or not, greedy and sampled,
+16 clients send mixed requests (``omlx_mtp.tools.soak.plan``: streaming or not, greedy and sampled,
 penalties, grammars, stop strings, prompts of 10 to 4,000 tokens, hang-ups) to the MTP model and,
 the same way, to the model without MTP: 300 to the demo pair (oMLX's LLM engine), 96 to the
 multimodal demo, a third with an image (its VLM engine).  Greedy answers are checked against MTP
@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-from omlx_mtp.host import soak
+from omlx_mtp.tools import soak
 
 from .test_omlx_serve import SERVES, demo_models, omlx_server
 from .test_omlx_serve_grammar import grammar_allows

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from omlx_mtp.decode.loop import Request
-from omlx_mtp.demo import PAIR_DIR
-from omlx_mtp.peer import peer_available, peer_generate, prepare_peer
-from omlx_mtp.runner import Session, run_plain
+from omlx_mtp.decode.requests import Request
+from omlx_mtp.fixtures.demo import PAIR_DIR
+from omlx_mtp.tools.peer import peer_available, peer_generate, prepare_peer
+from omlx_mtp.tools.session import Session, run_plain
 
 REASON = peer_available()
 pytestmark = [

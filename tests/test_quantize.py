@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from omlx_mtp.cli import main
+from omlx_mtp.tools.cli import main
 from omlx_mtp.fixtures.tiny import TinySpec, write_pair
 
 
@@ -204,10 +204,10 @@ def test_assistant_that_does_not_fit(gemma_pair, tmp_path, capsys):
 
 
 def test_interrupt_leaves_nothing(gemma_pair, tmp_path, monkeypatch):
-    from omlx_mtp import quantize as quantize_module
+    from omlx_mtp.checkpoint import shards
 
     calls = {"n": 0}
-    real = quantize_module._convert
+    real = shards._convert
 
     def interrupted(*args):
         calls["n"] += 1
@@ -215,7 +215,7 @@ def test_interrupt_leaves_nothing(gemma_pair, tmp_path, monkeypatch):
             raise KeyboardInterrupt
         yield from real(*args)
 
-    monkeypatch.setattr(quantize_module, "_convert", interrupted)
+    monkeypatch.setattr(shards, "_convert", interrupted)
     assert main(["quantize", str(gemma_pair[0]), str(tmp_path / "out"), "--group-size", "32"]) == 130
     assert not (tmp_path / "out").exists()
     assert not list(tmp_path.glob(".out.partial-*"))
@@ -223,12 +223,12 @@ def test_interrupt_leaves_nothing(gemma_pair, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("mode, shard_bytes", [("affine", 5 << 30), ("mxfp4", 20_000)])
 def test_pieces_of_a_few_rows_write_the_same_bytes(gemma_pair, tmp_path, monkeypatch, mode, shard_bytes):
-    from omlx_mtp import quantize as quantize_module
+    from omlx_mtp.checkpoint import quantize as quantize_module, shards
 
     target, assistant = gemma_pair
     options = quantize_module.QuantizeOptions(mode=mode, group_size=32, mtp_bits=8, shard_bytes=shard_bytes)
     whole = quantize_module.quantize(target, tmp_path / "whole", options, assistant=assistant, progress=False)
-    monkeypatch.setattr(quantize_module, "PIECE_BYTES", 1)  # one row per piece, many pieces in flight
+    monkeypatch.setattr(shards, "PIECE_BYTES", 1)  # one row per piece, many pieces in flight
     rows = quantize_module.quantize(target, tmp_path / "rows", options, assistant=assistant, progress=False)
     assert digest(rows) == digest(whole)
 
@@ -246,13 +246,13 @@ def test_failure_late_in_the_pipeline_leaves_nothing(gemma_pair, tmp_path, capsy
                                                      needle):
     """A failure while pieces are being read, quantized and written (here after most of them):
     a clear error, no output, no staging directory, no writer thread left running."""
-    from omlx_mtp import quantize as quantize_module
+    from omlx_mtp.checkpoint import shards
 
     src = corrupt_copy(gemma_pair[0], tmp_path, "src")
     before = digest(src)
-    monkeypatch.setattr(quantize_module, "PIECE_BYTES", 512)  # ~1800 pieces
+    monkeypatch.setattr(shards, "PIECE_BYTES", 512)  # ~1800 pieces
     calls = {"read": 0, "write": 0}
-    read, write = quantize_module._Reader.read_rows, quantize_module._pwrite_all
+    read, write = shards._Reader.read_rows, shards._pwrite_all
 
     def reading(self, tensor, first, last):
         calls["read"] += 1
@@ -269,8 +269,8 @@ def test_failure_late_in_the_pipeline_leaves_nothing(gemma_pair, tmp_path, capsy
                 raise OSError(errno.ENOSPC, "No space left on device")
         write(fd, data, offset)
 
-    monkeypatch.setattr(quantize_module._Reader, "read_rows", reading)
-    monkeypatch.setattr(quantize_module, "_pwrite_all", writing)
+    monkeypatch.setattr(shards._Reader, "read_rows", reading)
+    monkeypatch.setattr(shards, "_pwrite_all", writing)
     got, _, err = run(capsys, "quantize", src, tmp_path / "out", "--group-size", "32")
     assert got == code and needle in err and "Traceback" not in err, err
     assert calls["read"] > 1000 and calls["write"] > 1000  # it failed mid-pipeline, not before
@@ -290,7 +290,7 @@ def test_inspect_broken_checkpoint(gemma_pair, tmp_path, capsys):
 def test_small_shards_and_mxfp4(gemma_pair, tmp_path):
     from mlx_lm import load
 
-    from omlx_mtp.quantize import QuantizeOptions, quantize
+    from omlx_mtp.checkpoint.quantize import QuantizeOptions, quantize
 
     target, assistant = gemma_pair
     out = quantize(target, tmp_path / "mx", QuantizeOptions(mode="mxfp4", dtype="bfloat16", shard_bytes=20_000),
@@ -325,7 +325,7 @@ def test_already_quantized_source_is_refused(gemma_pair, tmp_path, capsys):
     ("model.smtp.weight", {}, None),
 ])
 def test_mtp_registry(name, config, family):
-    from omlx_mtp.mtp_tensors import mtp_family
+    from omlx_mtp.checkpoint.mtp_tensors import mtp_family
 
     assert mtp_family(name, config) == family
 
@@ -334,14 +334,14 @@ def test_tensors_read_whole_go_one_at_a_time(gemma_pair, tmp_path, monkeypatch):
     """A tensor without a file region (transformed by a sanitizer, or a multimodal trunk that
     mlx-vlm loads itself) is read whole: it is never in flight beside another, so memory stays
     near one tensor; the bytes are those of the piece-wise path."""
-    from omlx_mtp import quantize as quantize_module
+    from omlx_mtp.checkpoint import quantize as quantize_module, shards
 
     target, assistant = gemma_pair
     options = quantize_module.QuantizeOptions(group_size=32, mtp_bits=8)
     pieces = quantize_module.quantize(target, tmp_path / "pieces", options, assistant=assistant, progress=False)
-    monkeypatch.setattr(quantize_module, "_file_tensors", lambda directory: {})  # every tensor read whole
+    monkeypatch.setattr(shards, "file_tensors", lambda directory: {})  # every tensor read whole
     in_flight, most = [0], [0]
-    start, finish = quantize_module._start_piece, quantize_module._finish_piece
+    start, finish = shards._start_piece, shards._finish_piece
 
     def counting_start(*args, **kwargs):
         in_flight[0] += 1
@@ -352,8 +352,8 @@ def test_tensors_read_whole_go_one_at_a_time(gemma_pair, tmp_path, monkeypatch):
         in_flight[0] -= 1
         return finish(*args, **kwargs)
 
-    monkeypatch.setattr(quantize_module, "_start_piece", counting_start)
-    monkeypatch.setattr(quantize_module, "_finish_piece", counting_finish)
+    monkeypatch.setattr(shards, "_start_piece", counting_start)
+    monkeypatch.setattr(shards, "_finish_piece", counting_finish)
     whole = quantize_module.quantize(target, tmp_path / "whole", options, assistant=assistant, progress=False)
     assert most[0] == 1
     assert digest(whole) == digest(pieces)

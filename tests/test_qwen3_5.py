@@ -12,13 +12,14 @@ import pytest
 
 from omlx_mtp.decode import cache as caches
 from omlx_mtp.decode.linear_state import LinearStateCache
-from omlx_mtp.decode.loop import Request, SpeculativeDecoder
-from omlx_mtp.decode.oracle import OracleDrafter
+from omlx_mtp.decode.requests import Request
+from omlx_mtp.decode.loop import SpeculativeDecoder
+from omlx_mtp.drafters.oracle import OracleDrafter
 from omlx_mtp.drafters import load_merged_drafter
 from omlx_mtp.errors import CheckpointError
-from omlx_mtp.host.batch_generator import MTPBatchGenerator
-from omlx_mtp.models import load_target
-from omlx_mtp.runner import run_plain
+from omlx_mtp.hosts.batch_generator import MTPBatchGenerator
+from omlx_mtp.checkpoint.loading import load_target
+from omlx_mtp.tools.session import run_plain
 from omlx_mtp.targets import Qwen35MlxLmTarget, wrap_target
 from omlx_mtp.fixtures.tiny_qwen import TinyQwenSpec, build, write_qwen
 
@@ -97,7 +98,7 @@ def test_head_reads_exactly_the_committed_pairs(qwen, with_plain_stretches, monk
     seen = []
     original = head.step
     if with_plain_stretches:  # every other round a plain stretch of a few steps
-        from omlx_mtp.decode.loop import LiveBatch
+        from omlx_mtp.decode.batch import LiveBatch
 
         calls = iter(range(10**6))
         monkeypatch.setattr(LiveBatch, "max_plain_stretch", 3)
@@ -222,7 +223,7 @@ def test_sampling_matches_exact_distribution(small_qwen, params, drafter_kind):
 
 def test_plugin_loads_the_built_in_head_for_omlx(qwen, tmp_path, caplog):
     """What oMLX's patched engine asks for: settings with mtp_enabled -> the head -> a strategy."""
-    from omlx_mtp import plugin
+    from omlx_mtp.hosts.omlx import plugin
 
     settings = {"mtp_enabled": True, "mtp_draft_tokens": 2}
     drafter = plugin.omlx_load_drafter(model_id="q", model_path=str(qwen.dir), model=qwen.model, settings=settings)

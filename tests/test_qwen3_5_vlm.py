@@ -13,14 +13,15 @@ import pytest
 
 pytest.importorskip("mlx_vlm")
 
-from omlx_mtp.decode.loop import Request, SpeculativeDecoder  # noqa: E402
-from omlx_mtp.decode.oracle import OracleDrafter  # noqa: E402
+from omlx_mtp.decode.requests import Request
+from omlx_mtp.decode.loop import SpeculativeDecoder
+from omlx_mtp.drafters.oracle import OracleDrafter  # noqa: E402
 from omlx_mtp.drafters import load_merged_drafter  # noqa: E402
-from omlx_mtp.host.batch_generator import MTPBatchGenerator  # noqa: E402
-from omlx_mtp.models import load_target  # noqa: E402
-from omlx_mtp.runner import run_plain  # noqa: E402
+from omlx_mtp.hosts.batch_generator import MTPBatchGenerator  # noqa: E402
+from omlx_mtp.checkpoint.loading import load_target  # noqa: E402
+from omlx_mtp.tools.session import run_plain  # noqa: E402
 from omlx_mtp.targets import Qwen35MlxVlmTarget, wrap_target  # noqa: E402
-from omlx_mtp.targets.base import prefill_on_host  # noqa: E402
+from omlx_mtp.decode.target import prefill_on_host
 from omlx_mtp.targets.qwen3_5_mlx_vlm import mlx_lm_text_over  # noqa: E402
 from omlx_mtp.fixtures.tiny_qwen import TinyQwenSpec, image_request, write_qwen  # noqa: E402
 
@@ -188,7 +189,7 @@ def test_head_inside_the_model_shard_loads_or_is_refused_clearly(vlm, tmp_path):
 def test_omlx_mtp_quantize_keeps_tower_and_head(vlm, tmp_path):
     """``omlx-mtp quantize`` on a published checkpoint: the tower stays, the head goes where mlx-vlm's
     strict load does not see it, and the quantized model decodes losslessly with its head."""
-    from omlx_mtp.cli import main
+    from omlx_mtp.tools.cli import main
 
     out = tmp_path / "q8"
     assert main(["quantize", str(vlm.dir), str(out), "--bits", "8", "--group-size", "32", "--dtype", "float32"]) == 0

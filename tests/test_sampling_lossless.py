@@ -14,11 +14,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from omlx_mtp.decode.loop import Request, SpeculativeDecoder
+from omlx_mtp.decode.requests import Request
+from omlx_mtp.decode.loop import SpeculativeDecoder
 from omlx_mtp.decode.sampling import SamplingParams, log_softmax, target_probs
 from omlx_mtp.targets import wrap_target
 from omlx_mtp.drafters import load_drafter
-from omlx_mtp.models import load_target
+from omlx_mtp.checkpoint.loading import load_target
 from omlx_mtp.fixtures.tiny import TinySpec, write_pair
 
 from .stats import chi_square_p_value

@@ -6,11 +6,10 @@ import json
 
 import pytest
 
-import omlx_mtp
-from omlx_mtp.cli import main
-from omlx_mtp.decode.loop import Request
-from omlx_mtp.hookspecs import hookimpl
-from omlx_mtp.settings import PRESET_DIR, SettingsError, load_file, resolve, validate
+from omlx_mtp.tools.cli import main
+from omlx_mtp.decode.requests import Request
+from omlx_mtp.hosts.omlx.hookspecs import hookimpl, load_plugin_manager
+from omlx_mtp.hosts.settings import PRESET_DIR, SettingsError, load_file, resolve, validate
 
 
 @pytest.fixture
@@ -65,7 +64,7 @@ def test_settings_cli(base, capsys):
 
 
 def test_entry_point_registers_our_plugin():
-    manager = omlx_mtp.get_plugin_manager()
+    manager = load_plugin_manager()
     assert "mtp" in dict(manager.list_name_plugin())
     hook = manager.hook
     assert hook.omlx_skip_tensor_in_quantization(name="language_model.mtp.pre_projection.weight", config={}) is False
@@ -77,7 +76,7 @@ def test_entry_point_registers_our_plugin():
 
 
 def test_drafter_and_strategy_through_hooks(pair_31b, base):
-    manager = omlx_mtp.get_plugin_manager()
+    manager = load_plugin_manager()
     settings = {"mtp_enabled": True, "mtp_drafter": str(pair_31b.drafter_dir), "mtp_draft_tokens": 3}
     drafter = manager.hook.omlx_load_drafter(model_id="tiny", model_path=str(pair_31b.target_dir),
                                              model=pair_31b.model, settings=settings)
@@ -96,7 +95,7 @@ def test_drafter_and_strategy_through_hooks(pair_31b, base):
     {"mtp_enabled": True, "mtp_drafter": "x", "mtp_bogus": 1},
 ])
 def test_bad_drafter_settings_fall_back_to_plain(pair_31b, settings, caplog):
-    manager = omlx_mtp.get_plugin_manager()
+    manager = load_plugin_manager()
     drafter = manager.hook.omlx_load_drafter(model_id="tiny", model_path=str(pair_31b.target_dir),
                                              model=pair_31b.model, settings=settings)
     assert drafter is None
@@ -107,7 +106,7 @@ def test_mismatched_drafter_is_logged_not_raised(pair_31b, tmp_path, caplog):
     from omlx_mtp.fixtures.tiny import TinySpec, write_assistant
 
     other = write_assistant(tmp_path / "other", TinySpec(hidden_size=96))
-    manager = omlx_mtp.get_plugin_manager()
+    manager = load_plugin_manager()
     drafter = manager.hook.omlx_load_drafter(model_id="tiny", model_path=str(pair_31b.target_dir), model=pair_31b.model,
                                              settings={"mtp_enabled": True, "mtp_drafter": str(other)})
     assert drafter is None and "backbone_hidden_size 96 != target hidden_size 64" in caplog.text
@@ -122,7 +121,7 @@ def test_third_party_strategy_takes_over():
         def omlx_decode_strategy(self, model_id, model, drafter, settings):
             return GreedyEcho() if model_id.startswith("echo/") else None
 
-    manager = omlx_mtp.get_plugin_manager()
+    manager = load_plugin_manager()
     manager.register(ThirdParty(), name="third-party")
     picked = manager.hook.omlx_decode_strategy(model_id="echo/model", model=None, drafter=None, settings={})
     assert isinstance(picked, GreedyEcho)

@@ -15,11 +15,12 @@ import types
 
 import pytest
 
-from omlx_mtp.decode.loop import RowState, SpeculativeDecoder
-from omlx_mtp.decode.oracle import OracleDrafter
-from omlx_mtp.host import omlx as host
-from omlx_mtp.host.batch_generator import MTPBatchGenerator
-from omlx_mtp.models import load_target
+from omlx_mtp.decode.requests import RowState
+from omlx_mtp.decode.loop import SpeculativeDecoder
+from omlx_mtp.drafters.oracle import OracleDrafter
+from omlx_mtp.hosts.omlx import call_sites as host
+from omlx_mtp.hosts.batch_generator import MTPBatchGenerator
+from omlx_mtp.checkpoint.loading import load_target
 from omlx_mtp.targets import wrap_target
 from omlx_mtp.drafters import load_merged_drafter
 from omlx_mtp.fixtures.tiny_qwen import TinyQwenSpec, write_qwen

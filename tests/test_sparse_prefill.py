@@ -18,10 +18,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from omlx_mtp.decode.oracle import OracleDrafter
+from omlx_mtp.drafters.oracle import OracleDrafter
 from omlx_mtp.drafters import load_merged_drafter
-from omlx_mtp.host.sparse_prefill import SparsePrefill, _attention_modules
-from omlx_mtp.models import load_target
+from omlx_mtp.hosts.omlx.sparse_prefill import SparsePrefill, _attention_modules
+from omlx_mtp.checkpoint.loading import load_target
 from omlx_mtp.targets import wrap_target
 from omlx_mtp.fixtures.tiny_qwen import TinyQwenSpec, write_qwen
 

@@ -18,16 +18,17 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from mlx_lm.generate import BatchGenerator  # noqa: E402
 
 from omlx_mtp.decode.compiled_forward import compiled_forward_exact  # noqa: E402
-from omlx_mtp.decode.loop import Request, SpeculativeDecoder  # noqa: E402
-from omlx_mtp.decode.oracle import OracleDrafter  # noqa: E402
+from omlx_mtp.decode.requests import Request
+from omlx_mtp.decode.loop import SpeculativeDecoder
+from omlx_mtp.drafters.oracle import OracleDrafter  # noqa: E402
 from omlx_mtp.drafters import load_drafter  # noqa: E402
-from omlx_mtp.host.batch_generator import MTPBatchGenerator  # noqa: E402
-from omlx_mtp.models import load_target  # noqa: E402
-from omlx_mtp.runner import run_plain  # noqa: E402
+from omlx_mtp.hosts.batch_generator import MTPBatchGenerator  # noqa: E402
+from omlx_mtp.checkpoint.loading import load_target  # noqa: E402
+from omlx_mtp.tools.session import run_plain  # noqa: E402
 from omlx_mtp.targets import Gemma4MlxVlmTarget, wrap_target  # noqa: E402
-from omlx_mtp.targets.base import prefill_on_host  # noqa: E402
+from omlx_mtp.decode.target import prefill_on_host
 from omlx_mtp.fixtures.tiny import TinySpec, write_assistant  # noqa: E402
-from omlx_mtp.multimodal import embedded_request  # noqa: E402
+from omlx_mtp.tools.multimodal import embedded_request  # noqa: E402
 from omlx_mtp.fixtures.tiny_vlm import write_tiny_vlm  # noqa: E402
 
 from .conftest import prompts  # noqa: E402
@@ -103,7 +104,7 @@ def test_image_prompts_first_tokens_are_mlx_vlms_own(vlm):
     tokens attend to each other), so the first token is the one mlx-vlm's full model picks."""
     from PIL import Image
 
-    from omlx_mtp.multimodal import processed_inputs
+    from omlx_mtp.tools.multimodal import processed_inputs
 
     for seed in range(4):
         image = Image.fromarray(np.random.default_rng(seed).integers(0, 256, (64, 64, 3), dtype=np.uint8))

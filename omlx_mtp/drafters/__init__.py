@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..checkpoint import files_holding, read_config, tensors_under
+from ..checkpoint.files import files_holding, read_config, tensors_under
 from ..errors import CheckpointError
-from ..mtp_tensors import mtp_shard
+from ..checkpoint.mtp_tensors import mtp_shard
 from . import gemma4_assistant, qwen3_5_mtp
 from .quantized import quantization_under
 

@@ -18,10 +18,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import gemma4_text
 
-from ..checkpoint import load_weights, read_config
+from ..checkpoint.files import load_weights, read_config
 from ..errors import CheckpointError, DrafterMismatchError
 from .quantized import load_into
-from ..gemma4_config import FULL, SLIDING, layer_head_dim, layer_kv_heads, normalize_text_config, text_config_of
+from ..checkpoint.gemma4_config import FULL, SLIDING, layer_head_dim, layer_kv_heads, normalize_text_config, text_config_of
 
 MODEL_TYPE = "gemma4_assistant"
 

@@ -25,10 +25,10 @@ import mlx.nn as nn
 from mlx_lm.models import qwen3_5
 from mlx_lm.models.base import create_attention_mask
 
-from ..checkpoint import files_holding, read_config, tensors_under
+from ..checkpoint.files import files_holding, read_config, tensors_under
 from ..decode import cache as caches
 from ..errors import CheckpointError
-from ..mtp_tensors import mtp_shard
+from ..checkpoint.mtp_tensors import mtp_shard
 from .quantized import load_into, quantization_under
 
 FAMILY = "qwen3_5_mtp"

@@ -7,7 +7,7 @@ one entry in FAMILIES."""
 from __future__ import annotations
 
 from ..errors import MTPError
-from .base import PromptEmbeddings, Target
+from .base import Target
 from .gemma4_mlx_lm import Gemma4MlxLmTarget
 from .gemma4_mlx_vlm import Gemma4MlxVlmTarget
 from .qwen3_5_mlx_lm import Qwen35MlxLmTarget
@@ -37,4 +37,4 @@ def wrap_target(model, compiled: bool | None = None) -> Target:
     )
 
 
-__all__ = ["FAMILIES", "Gemma4MlxLmTarget", "Gemma4MlxVlmTarget", "PromptEmbeddings", "Qwen35MlxLmTarget", "Qwen35MlxVlmTarget", "Target", "UnsupportedTarget", "host_model", "wrap_target"]
+__all__ = ["FAMILIES", "Gemma4MlxLmTarget", "Gemma4MlxVlmTarget", "Qwen35MlxLmTarget", "Qwen35MlxVlmTarget", "Target", "UnsupportedTarget", "host_model", "wrap_target"]

@@ -9,7 +9,7 @@ import math
 import mlx.core as mx
 
 from ..decode.cache import PositionalKVCache, make_caches
-from ..gemma4_config import SLIDING
+from ..checkpoint.gemma4_config import SLIDING
 from .base import Target
 
 

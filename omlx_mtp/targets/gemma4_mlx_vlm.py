@@ -13,7 +13,7 @@ import sys
 
 import mlx.core as mx
 
-from ..gemma4_config import SLIDING
+from ..checkpoint.gemma4_config import SLIDING
 from .base import LogitsOnly
 from .gemma4 import Gemma4Target
 

@@ -27,7 +27,7 @@ from mlx_lm.models import gemma4_text
 from ..decode import cache as caches
 from ..targets import Target, wrap_target
 from ..drafters.gemma4_assistant import Gemma4AssistantDrafter, normalize_assistant_config
-from ..gemma4_config import FULL, GEMMA4_ROPE, SLIDING, normalize_text_config
+from ..checkpoint.gemma4_config import FULL, GEMMA4_ROPE, SLIDING, normalize_text_config
 from ..fixtures.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS
 
 
@@ -285,7 +285,7 @@ def build_pair(out: Path, spec: PairSpec, target_steps: int, drafter_steps: int,
 def distill_assistant(target_dir: Path, out: Path, spec: PairSpec, steps: int, batch: int = 16, log=print) -> Path:
     """A fresh assistant distilled from an already trained target checkpoint (the tokenizer is the
     target's); the same corpus and drafter training as build_pair."""
-    from ..models import load_target
+    from ..checkpoint.loading import load_target
 
     model, tokenizer, config = load_target(target_dir)
     corpus = stdlib_corpus(spec.corpus_bytes)

@@ -1,0 +1,117 @@
+"""Reading checkpoint directories: config.json and safetensors files, with clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from safetensors import SafetensorError, safe_open
+
+from ..errors import CheckpointError
+
+
+def read_config(path: str | Path) -> dict:
+    directory = Path(path)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: no such checkpoint directory")
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{config_file}: missing (a checkpoint directory needs config.json)")
+    try:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{config_file}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_file}: expected a JSON object at the top level")
+    return config
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    directory = Path(path)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from None
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index}: names shard(s) that do not exist: {', '.join(missing)}")
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{directory}: no *.safetensors weight files")
+    # MTP tensors of a multimodal checkpoint written here (``mtp_tensors.mtp_shard``).
+    return files + [f for f in sorted((directory / "mtp").glob("*.safetensors")) if f not in files]
+
+
+def check_safetensors_header(file: Path) -> list[str]:
+    """Validate the header with the safetensors library; return the tensor names."""
+    try:
+        with safe_open(str(file), framework="numpy") as handle:
+            return list(handle.keys())
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{file}: corrupt or truncated safetensors file ({exc})") from None
+
+
+def load_weights(path: str | Path) -> dict[str, mx.array]:
+    """Load every tensor of a checkpoint directory as mlx arrays."""
+    weights: dict[str, mx.array] = {}
+    for file in safetensors_files(path):
+        check_safetensors_header(file)
+        try:
+            weights.update(mx.load(str(file)))
+        except (RuntimeError, ValueError, OSError) as exc:
+            raise CheckpointError(f"{file}: could not be read ({exc})") from None
+    return weights
+
+
+# safetensors dtypes omlx-mtp reads, with their sizes in bytes.
+DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U32": 4, "U16": 2, "U8": 1,
+               "BOOL": 1}
+
+
+def tensor_infos(path: str | Path) -> dict[str, tuple[Path, str, list[int]]]:
+    """name -> (file, safetensors dtype, shape) for every tensor, read from the headers only."""
+    infos = {}
+    for file in safetensors_files(path):
+        try:
+            with safe_open(str(file), framework="numpy") as handle:
+                for name in handle.keys():
+                    view = handle.get_slice(name)
+                    dtype = view.get_dtype()
+                    if dtype not in DTYPE_BYTES:
+                        raise CheckpointError(f"{file}: tensor {name} has unsupported dtype {dtype}")
+                    infos[name] = (file, dtype, list(view.get_shape()))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{file}: corrupt or truncated safetensors file ({exc})") from None
+    return infos
+
+
+def files_holding(directory: Path, prefixes: tuple[str, ...], own_shard: str) -> list[Path]:
+    """The safetensors files that may hold tensors named with ``prefixes``: the shard omlx-mtp
+    quantize writes them to (``own_shard``), else the shards the index names, else every shard."""
+    directory = Path(directory)
+    own = directory / own_shard
+    if own.is_file():
+        return [own]
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        return [directory / n for n in sorted({f for k, f in weight_map.items() if k.startswith(prefixes)})]
+    return safetensors_files(directory)
+
+
+def tensors_under(files: list[Path], prefixes: tuple[str, ...]) -> tuple[dict, str | None]:
+    """The tensors of ``files`` named under the first of ``prefixes`` that any of them uses, the
+    prefix stripped, and that prefix (None when none is used).  Each file is read once."""
+    found: dict[str, dict] = {prefix: {} for prefix in prefixes}
+    for file in files:
+        for name, value in mx.load(str(file)).items():
+            prefix = next((p for p in prefixes if name.startswith(p)), None)
+            if prefix is not None:
+                found[prefix][name[len(prefix):]] = value
+    prefix = next((p for p in prefixes if found[p]), None)
+    return (found[prefix], prefix) if prefix is not None else ({}, None)

@@ -1,0 +1,110 @@
+"""Loading targets with clear errors for user mistakes: text checkpoints through mlx-lm, multimodal
+ones (a ``vision_config`` or ``audio_config``) through mlx-vlm, as oMLX loads them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mlx_lm.utils import load_model, load_tokenizer
+
+from .files import check_safetensors_header, read_config, safetensors_files
+from ..errors import CheckpointError
+from .gemma4_config import normalize_text_config
+from .mtp_tensors import is_mtp_tensor
+
+SUPPORTED_TARGETS = ("gemma4", "gemma4_text", "qwen3_5", "qwen3_5_moe")
+# Multimodal checkpoints of these families load through mlx-vlm (a target module wraps its model);
+# others load their text model through mlx-lm, whose sanitizer drops the towers.
+VLM_TARGETS = ("gemma4", "qwen3_5", "qwen3_5_moe")
+
+
+def target_config_overrides(config: dict, where: str) -> dict:
+    """Config entries to hand mlx-lm so that it reads either Gemma 4 spelling."""
+    model_type = config.get("model_type")
+    if model_type == "gemma4_text":
+        return normalize_text_config(config, where)
+    if model_type == "gemma4":
+        return {"text_config": normalize_text_config(config.get("text_config") or {}, where)}
+    return {}
+
+
+def is_multimodal(config: dict) -> bool:
+    """Whether hosts load this checkpoint as a VLM (oMLX's rule: a vision or audio tower is configured)."""
+    return bool(config.get("vision_config") or config.get("audio_config"))
+
+
+def load_target(path: str | Path, with_tokenizer: bool = True):
+    """Return (model, tokenizer or None, config) for a checkpoint directory of a supported family."""
+    directory = Path(path)
+    config = read_config(directory)
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_TARGETS:
+        raise CheckpointError(
+            f"{directory / 'config.json'}: model_type {model_type!r} is not supported "
+            f"(supported targets: {', '.join(SUPPORTED_TARGETS)})"
+        )
+    for file in safetensors_files(directory):
+        check_safetensors_header(file)
+    try:
+        if is_multimodal(config) and model_type in VLM_TARGETS:
+            model = _load_vlm(directory)
+        else:
+            model, _ = load_model(directory, model_config=target_config_overrides(config, str(directory / "config.json")))
+    except ValueError as exc:  # mlx-lm and mlx-vlm report missing/extra/mis-shaped weights this way
+        raise CheckpointError(f"{directory}: weights do not match config.json ({exc})") from None
+    tokenizer = None
+    if with_tokenizer:
+        try:
+            tokenizer = load_tokenizer(directory)
+        except Exception as exc:  # transformers raises many kinds here
+            raise CheckpointError(f"{directory}: no usable tokenizer ({exc})") from None
+    return model, tokenizer, config
+
+
+def _load_vlm(directory: Path):
+    try:
+        from mlx_vlm.utils import load_model as load_vlm_model
+    except ImportError:
+        raise CheckpointError(f"{directory}: a multimodal checkpoint (vision_config) loads through mlx-vlm, which "
+                              "is not installed (a dependency of omlx-mtp: pip install 'mlx-vlm>=0.5.0,<0.8')") from None
+    try:
+        return load_vlm_model(directory)
+    except ValueError as exc:
+        if not _only_extra_mtp_tensors(str(exc), read_config(directory)):
+            raise
+    # The MTP head sits in the model's shards (oMLX's oQ without omlx-mtp's patches puts it there)
+    # and mlx-vlm's model has no place for it.  Releases that honour strict=False load it as oMLX
+    # does, once a strict load has failed on nothing but those tensors (a missing weight still fails).
+    try:
+        return load_vlm_model(directory, strict=False)
+    except ValueError as exc:
+        if not _only_extra_mtp_tensors(str(exc), read_config(directory)):
+            raise
+    raise CheckpointError(f"{directory}: the MTP head's tensors sit in the model's shards, which this mlx-vlm "
+                          "loads strictly (oMLX's VLM engine too); requantize with `omlx-mtp quantize`, or with "
+                          "oMLX's oQ patched by `omlx-mtp patch apply`, which put them in mtp/mtp.safetensors")
+
+
+def _only_extra_mtp_tensors(message: str, config: dict) -> bool:
+    """Whether mlx's strict-load error names only extra tensors, all of them MTP tensors."""
+    head, _, names = message.partition("parameters not in model:")
+    if not names or not head.startswith("Received"):
+        return False
+    return all(is_mtp_tensor(name.strip().rstrip("."), config) for name in names.split(",") if name.strip())
+
+
+def load_processor(path: str | Path):
+    """mlx-vlm's processor of a multimodal checkpoint (images and audio into model inputs)."""
+    directory = Path(path)
+    config = read_config(directory)
+    if not is_multimodal(config):
+        raise CheckpointError(f"{directory}: not a multimodal checkpoint (no vision_config); --image needs one")
+    import importlib
+
+    from mlx_vlm.utils import load_processor as load_vlm_processor
+
+    importlib.import_module(f"mlx_vlm.models.{config['model_type']}")  # registers the model's own processor
+    try:
+        return load_vlm_processor(directory, True)
+    except Exception as exc:  # transformers raises many kinds here
+        raise CheckpointError(f"{directory}: no usable image processor ({exc})") from None

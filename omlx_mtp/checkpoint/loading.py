@@ -5,14 +5,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mlx_lm.utils import load_model, load_tokenizer
+from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
 from .files import check_safetensors_header, read_config, safetensors_files
 from ..errors import CheckpointError
 from .gemma4_config import normalize_text_config
 from .mtp_tensors import is_mtp_tensor
 
-SUPPORTED_TARGETS = ("gemma4", "gemma4_text", "qwen3_5", "qwen3_5_moe")
+SUPPORTED_TARGETS = ("gemma4", "gemma4_text", "qwen3_5", "qwen3_5_moe", "glm4_moe", "glm4_moe_lite", "deepseek_v3",
+                     "deepseek_v32", "qwen3_next")
+# Families whose mlx-lm model reads RoPE settings at the top of config.json, as their releases put
+# them; transformers 5 writes them nested in ``rope_parameters``.
+TOP_LEVEL_ROPE = ("glm4_moe", "glm4_moe_lite", "deepseek_v3", "deepseek_v32")
 # Multimodal checkpoints of these families load through mlx-vlm (a target module wraps its model);
 # others load their text model through mlx-lm, whose sanitizer drops the towers.
 VLM_TARGETS = ("gemma4", "qwen3_5", "qwen3_5_moe")
@@ -25,7 +29,27 @@ def target_config_overrides(config: dict, where: str) -> dict:
         return normalize_text_config(config, where)
     if model_type == "gemma4":
         return {"text_config": normalize_text_config(config.get("text_config") or {}, where)}
+    if model_type in TOP_LEVEL_ROPE:
+        return top_level_rope(config)
     return {}
+
+
+def top_level_rope(config: dict) -> dict:
+    """RoPE entries of transformers 5's nested ``rope_parameters`` spelled as the releases spell
+    them (``rope_theta``, ``partial_rotary_factor`` and a ``rope_scaling`` dict at the top), for
+    mlx-lm models that read only those; entries already at the top win."""
+    nested = config.get("rope_parameters")
+    if not isinstance(nested, dict):
+        return {}
+    out = {}
+    for name in ("rope_theta", "partial_rotary_factor"):
+        if name in nested and name not in config:
+            out[name] = nested[name]
+    kind = nested.get("rope_type", nested.get("type", "default"))
+    if "rope_scaling" not in config or config["rope_scaling"] is None:
+        scaling = {k: v for k, v in nested.items() if k not in ("rope_theta", "partial_rotary_factor", "rope_type")}
+        out["rope_scaling"] = None if kind == "default" else {**scaling, "type": kind, "rope_type": kind}
+    return out
 
 
 def is_multimodal(config: dict) -> bool:
@@ -49,7 +73,8 @@ def load_target(path: str | Path, with_tokenizer: bool = True):
         if is_multimodal(config) and model_type in VLM_TARGETS:
             model = _load_vlm(directory)
         else:
-            model, _ = load_model(directory, model_config=target_config_overrides(config, str(directory / "config.json")))
+            model, _ = load_model(directory, model_config=target_config_overrides(config, str(directory / "config.json")),
+                                  get_model_classes=trunk_classes)
     except ValueError as exc:  # mlx-lm and mlx-vlm report missing/extra/mis-shaped weights this way
         raise CheckpointError(f"{directory}: weights do not match config.json ({exc})") from None
     tokenizer = None
@@ -59,6 +84,21 @@ def load_target(path: str | Path, with_tokenizer: bool = True):
         except Exception as exc:  # transformers raises many kinds here
             raise CheckpointError(f"{directory}: no usable tokenizer ({exc})") from None
     return model, tokenizer, config
+
+
+def trunk_classes(config: dict):
+    """mlx-lm's (model, args) classes for ``config``, the model's sanitizer handed the trunk only:
+    MTP tensors are left out by the registry (by config: deepseek_v3's own sanitizer drops a fixed
+    ``model.layers.61``, so a variant of another depth would not load)."""
+    model_class, args_class = _get_classes(config)
+
+    class Trunk(model_class):
+        def sanitize(self, weights):
+            weights = {k: v for k, v in weights.items() if not is_mtp_tensor(k, config)}
+            return super().sanitize(weights) if hasattr(model_class, "sanitize") else weights
+
+    Trunk.__name__, Trunk.__qualname__, Trunk.__module__ = model_class.__name__, model_class.__qualname__, model_class.__module__
+    return Trunk, args_class
 
 
 def _load_vlm(directory: Path):

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..checkpoint.files import files_holding, read_config, tensors_under
 from ..errors import CheckpointError
 from ..checkpoint.mtp_tensors import mtp_shard
-from . import gemma4_assistant, qwen3_5_mtp
+from . import gemma4_assistant, nextn, qwen3_5_mtp
 from .quantized import quantization_under
 
 LOADERS = {gemma4_assistant.MODEL_TYPE: (gemma4_assistant.load_gemma4_assistant, gemma4_assistant.check_fits)}
@@ -40,12 +40,15 @@ def merged_assistant_config(config: dict) -> tuple[dict, str] | None:
 
 
 def load_merged_drafter(model_dir: str | Path, target):
-    """The drafter inside ``model_dir``: the MTP head the checkpoint ships (Qwen3.5/3.6) or an
+    """The drafter inside ``model_dir``: the MTP head or layer the checkpoint ships (Qwen3.5/3.6,
+    GLM-4.x, DeepSeek-V3.x) or an
     assistant merged in by ``omlx-mtp quantize --assistant``; None when there is neither."""
     directory = Path(model_dir)
     config = read_config(directory)
     if qwen3_5_mtp.has_head(config):
         return qwen3_5_mtp.load_built_in_head(directory, target)  # built from the trunk's own config
+    if nextn.has_nextn(config):
+        return nextn.load_nextn_layer(directory, target)
     merged = merged_assistant_config(config)
     if merged is None:
         return None

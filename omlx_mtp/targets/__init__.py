@@ -8,12 +8,16 @@ from __future__ import annotations
 
 from ..errors import MTPError
 from .base import Target
+from .deepseek_v3 import DeepseekV3Target, DeepseekV32Target
 from .gemma4_mlx_lm import Gemma4MlxLmTarget
 from .gemma4_mlx_vlm import Gemma4MlxVlmTarget
+from .glm4_moe import Glm4MoeTarget
 from .qwen3_5_mlx_lm import Qwen35MlxLmTarget
 from .qwen3_5_mlx_vlm import Qwen35MlxVlmTarget
+from .qwen3_next import Qwen3NextMlxLmTarget
 
-FAMILIES: tuple[type[Target], ...] = (Gemma4MlxLmTarget, Gemma4MlxVlmTarget, Qwen35MlxLmTarget, Qwen35MlxVlmTarget)
+FAMILIES: tuple[type[Target], ...] = (Gemma4MlxLmTarget, Gemma4MlxVlmTarget, Qwen35MlxLmTarget, Qwen35MlxVlmTarget,
+                                      Glm4MoeTarget, DeepseekV3Target, DeepseekV32Target, Qwen3NextMlxLmTarget)
 
 
 class UnsupportedTarget(MTPError):
@@ -37,4 +41,4 @@ def wrap_target(model, compiled: bool | None = None) -> Target:
     )
 
 
-__all__ = ["FAMILIES", "Gemma4MlxLmTarget", "Gemma4MlxVlmTarget", "Qwen35MlxLmTarget", "Qwen35MlxVlmTarget", "Target", "UnsupportedTarget", "host_model", "wrap_target"]
+__all__ = ["FAMILIES", "DeepseekV3Target", "DeepseekV32Target", "Glm4MoeTarget", "Gemma4MlxLmTarget", "Gemma4MlxVlmTarget", "Qwen35MlxLmTarget", "Qwen35MlxVlmTarget", "Qwen3NextMlxLmTarget", "Target", "UnsupportedTarget", "host_model", "wrap_target"]

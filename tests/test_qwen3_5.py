@@ -33,9 +33,12 @@ MAX_TOKENS = 150
 
 
 class Checkpoint:
-    def __init__(self, directory, spec):
+    """A written checkpoint, its target and head, and plain decoding's tokens for 20 prompts;
+    ``write`` makes the directory (tests/test_qwen3_next.py passes Qwen3-Next's)."""
+
+    def __init__(self, directory, spec, write=write_qwen):
         self.spec = spec
-        self.dir = write_qwen(directory, spec)
+        self.dir = write(directory, spec)
         self.model, self.tokenizer, _ = load_target(self.dir)
         self.target = wrap_target(self.model)
         self.head = load_merged_drafter(self.dir, self.target)

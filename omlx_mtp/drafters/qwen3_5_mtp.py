@@ -1,4 +1,4 @@
-"""The MTP head that Qwen3.5 / Qwen3.6 checkpoints ship (``mtp.*``), dense and MoE.
+"""The MTP head that Qwen3.5 / Qwen3.6 (dense and MoE) and Qwen3-Next checkpoints ship (``mtp.*``).
 
 One step reads the target's final-normed hidden state h at position t and the token at t + 1:
 
@@ -7,7 +7,9 @@ One step reads the target's final-normed hidden state h at position t and the to
     logits = the target's LM head (out) ; out is the next step's h
 
 (vLLM ``qwen3_next_mtp.py``, mlx-vlm ``qwen3_5_mtp``).  Embedding and LM head are the target's.
-The layers are mlx-lm's own Qwen3.5 full-attention decoder layer, built from the target's config.
+The layers are the trunk family's own mlx-lm full-attention decoder layer (``target.decoder_layer``:
+Qwen3.5's, or Qwen3-Next's with its MoE, shared expert and shared_expert_gate), built from the
+target's config.
 
 The head's K/V cache holds one entry per committed target position: the pair (hidden at t - 1,
 token at t) sits at position t (the references use t - 1; RoPE sees only differences, so a
@@ -32,7 +34,7 @@ from ..checkpoint.mtp_tensors import mtp_shard
 from .quantized import load_into, quantization_under
 
 FAMILY = "qwen3_5_mtp"
-MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text")
+MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 PREFIXES = ("mtp.", "model.mtp.", "language_model.mtp.")
 # Hugging Face checkpoints store Qwen3.5's RMSNorm weights as offsets from 1 (x * (1 + w)); mlx-lm's
 # RMSNorm multiplies by w.  The trunk is shifted by mlx-lm's sanitize; the head's norms here.
@@ -41,9 +43,18 @@ NORMS = ("pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weig
 
 
 def head_layers(config: dict) -> int:
-    """MTP layers a Qwen3.5 config promises (0: none)."""
+    """MTP layers a Qwen3.5 / Qwen3-Next config promises (0: none)."""
     text = config.get("text_config") or config
-    return int(text.get("mtp_num_hidden_layers") or text.get("num_nextn_predict_layers") or 0)
+    count = text.get(_layers_key(config))
+    if count is None and text.get("model_type", config.get("model_type")) == "qwen3_next":
+        return 1  # a Qwen3-Next config need not count it: every release has one (vLLM's default too)
+    return int(count or 0)
+
+
+def _layers_key(config: dict) -> str:
+    """The config entry that counts the head's layers: Qwen3.5's spelling, or Qwen3-Next's."""
+    text = config.get("text_config") or config
+    return "mtp_num_hidden_layers" if text.get("mtp_num_hidden_layers") is not None else "num_nextn_predict_layers"
 
 
 def has_head(config: dict) -> bool:
@@ -54,7 +65,8 @@ def has_head(config: dict) -> bool:
 class Qwen35MTPHead(nn.Module):
     layer_types: list = []  # reads no target K/V: it keeps its own
 
-    def __init__(self, args: qwen3_5.TextModelArgs, num_layers: int = 1):
+    def __init__(self, args, num_layers: int = 1, decoder_layer: type = qwen3_5.DecoderLayer):
+        """args: the trunk's mlx-lm config; decoder_layer: its family's decoder layer class."""
         super().__init__()
         H = args.hidden_size
         self.hidden_size = H
@@ -63,7 +75,7 @@ class Qwen35MTPHead(nn.Module):
         self.pre_fc_norm_hidden = nn.RMSNorm(H, eps=args.rms_norm_eps)
         self.fc = nn.Linear(2 * H, H, bias=False)
         full = args.full_attention_interval - 1  # an index the trunk gives a full-attention layer
-        self.layers = [qwen3_5.DecoderLayer(args, layer_idx=full) for _ in range(num_layers)]
+        self.layers = [decoder_layer(args, layer_idx=full) for _ in range(num_layers)]
         self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
 
     # -- the loop's interface for a drafter that keeps its own cache ----------------------------
@@ -90,22 +102,25 @@ class Qwen35MTPHead(nn.Module):
 
 
 def load_built_in_head(model_dir: str | Path, target) -> Qwen35MTPHead:
-    """The head a Qwen3.5 checkpoint ships, for ``target`` (the loaded trunk).  Refused, naming
-    what is missing, when the checkpoint has no MTP tensors or they don't fit the trunk."""
+    """The head a Qwen3.5 / Qwen3-Next checkpoint ships, for ``target`` (the loaded trunk).
+    Refused, naming what is missing, when the checkpoint has no MTP tensors or they don't fit."""
     directory = Path(model_dir)
     config = read_config(directory)
     where = f"{directory}"
-    layers = head_layers(config)
+    layers, key = head_layers(config), _layers_key(config)
+    text = config.get("text_config") or config
+    promise = (f"config.json promises an MTP head ({key}: {layers})" if key in text
+               else "a Qwen3-Next checkpoint carries an MTP head (every release has one)")
     if layers != 1:
-        raise CheckpointError(f"{where}: mtp_num_hidden_layers is {layers}; omlx-mtp runs Qwen3.5 heads of one layer "
+        raise CheckpointError(f"{where}: {key} is {layers}; omlx-mtp runs Qwen3.5 / Qwen3-Next heads of one layer "
                               "(every published checkpoint has one)")
     weights, prefix = _head_tensors(directory, config)
     if not weights:
-        raise CheckpointError(f"{where}: config.json promises an MTP head (mtp_num_hidden_layers: 1) but no "
+        raise CheckpointError(f"{where}: {promise} but no "
                               f"{'/'.join(p + '*' for p in PREFIXES)} tensors were found — the checkpoint was "
                               "converted by a tool that drops them; requantize it with `omlx-mtp quantize`")
-    head = Qwen35MTPHead(target.args, layers)
-    return load_into(head, sanitize(weights, head), quantization_under(config, prefix),
+    head = Qwen35MTPHead(target.args, layers, getattr(target, "decoder_layer", qwen3_5.DecoderLayer))
+    return load_into(head, sanitize(weights, head), _stacked_quantization(quantization_under(config, prefix)),
                      f"{where}: the MTP head's tensors do not fit the trunk's config")
 
 
@@ -116,11 +131,9 @@ def sanitize(weights: dict, head: Qwen35MTPHead) -> dict:
     for name, value in weights.items():
         if name.endswith("rotary_emb.inv_freq"):
             continue
-        parts = name.split(".")
-        if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
-            i = parts.index("experts")
-            key = ".".join(parts[:i]) + ".switch_mlp." + ".".join(parts[i + 2 :])
-            experts.setdefault(key, {})[int(parts[i + 1])] = value
+        if (expert := _per_expert(name)) is not None:
+            key, index = expert
+            experts.setdefault(key, {})[index] = value
             continue
         if name.endswith("experts.gate_up_proj"):
             base = name[: -len("experts.gate_up_proj")]
@@ -137,6 +150,24 @@ def sanitize(weights: dict, head: Qwen35MTPHead) -> dict:
     for key, by_index in experts.items():
         out[key] = mx.stack([by_index[i] for i in sorted(by_index)])
     return out
+
+
+def _per_expert(name: str) -> tuple[str, int] | None:
+    """(the stacked name, the expert) of a per-expert tensor or module path, ``experts.{e}.*``."""
+    parts = name.split(".")
+    if "experts" in parts:
+        i = parts.index("experts")
+        if i + 2 < len(parts) and parts[i + 1].isdigit():
+            return ".".join(parts[:i] + ["switch_mlp"] + parts[i + 2 :]), int(parts[i + 1])
+    return None
+
+
+def _stacked_quantization(quantization: dict | None) -> dict | None:
+    """Per-module overrides a quantizer wrote for per-expert tensors (``--mtp-bits``), under the
+    stacked module the head loads them into; the experts of one module are quantized alike."""
+    if not quantization:
+        return quantization
+    return {(_per_expert(path) or (path,))[0]: value for path, value in quantization.items()}
 
 
 def _head_tensors(directory: Path, config: dict) -> tuple[dict, str]:

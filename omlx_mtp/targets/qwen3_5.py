@@ -1,8 +1,10 @@
-"""What every Qwen3.5 / Qwen3.6 host model (dense and MoE) shares: hybrid trunks whose layers are
+"""What the hybrid Qwen trunks share — Qwen3.5 / Qwen3.6 (dense and MoE) and Qwen3-Next: layers
 mostly Gated DeltaNet linear attention, with full attention every ``full_attention_interval``
-layers.  The family modules say where the host keeps the text model.
+layers.  ``HybridTarget`` is the walk; a family names its mlx-lm decoder layer (``decoder_layer``,
+which the built-in MTP head is built from too) and says where the host keeps the text model.
 
-The forward runs mlx-lm's own layers (``mlx_lm.models.qwen3_5``).  The layer loop is walked here
+The forward runs mlx-lm's own layers (``mlx_lm.models.qwen3_5`` or ``qwen3_next``, whose layers
+take the same arguments and cache protocol).  The layer loop is walked here
 rather than through the host's text model, for one reason: each linear-attention layer's input is
 handed to its cache (``LinearStateCache.record``), so that a verify whose drafts are rejected can
 take the layer's state back per row.  Full-attention layers run on this package's K/V caches; their
@@ -24,11 +26,13 @@ from ..decode.linear_state import LinearStateCache
 from .base import Target
 
 
-class Qwen35Target(Target):
+class HybridTarget(Target):
     sliding_window = None
+    decoder_layer: type  # the family's mlx-lm decoder layer class (args, layer_idx)
 
-    def __init__(self, model, text: qwen3_5.TextModel):
-        self.text = text  # mlx-lm's text model (body + head)
+    def __init__(self, model, text):
+        """text: mlx-lm's text model (``.model`` the body, ``.args``, ``.lm_head``)."""
+        self.text = text
         self.body = text.model
         self.args = text.args
         self.hidden_size = self.args.hidden_size
@@ -36,7 +40,7 @@ class Qwen35Target(Target):
         self.layers = list(self.body.layers)
         self.linear = [layer.is_linear for layer in self.layers]
         if all(self.linear):
-            raise TypeError("a Qwen3.5 model without full-attention layers")
+            raise TypeError(f"a {self.family} model without full-attention layers")
         # The trunk's forwards mutate linear states in ways a compiled graph of K/V caches can't follow.
         super().__init__(model, compiled=False)
 
@@ -68,3 +72,7 @@ class Qwen35Target(Target):
         if self.args.tie_word_embeddings:
             return self.body.embed_tokens.as_linear(normed)
         return self.text.lm_head(normed)
+
+
+class Qwen35Target(HybridTarget):
+    decoder_layer = qwen3_5.DecoderLayer

@@ -73,10 +73,11 @@ DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8"
                "BOOL": 1}
 
 
-def tensor_infos(path: str | Path) -> dict[str, tuple[Path, str, list[int]]]:
-    """name -> (file, safetensors dtype, shape) for every tensor, read from the headers only."""
+def tensor_infos(path: str | Path, files: list[Path] | None = None) -> dict[str, tuple[Path, str, list[int]]]:
+    """name -> (file, safetensors dtype, shape) for every tensor (or every tensor of ``files``),
+    read from the headers only."""
     infos = {}
-    for file in safetensors_files(path):
+    for file in safetensors_files(path) if files is None else files:
         try:
             with safe_open(str(file), framework="numpy") as handle:
                 for name in handle.keys():

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .files import DTYPE_BYTES, read_config, tensor_infos
 from ..drafters import merged_assistant_config
-from ..drafters import qwen3_5_mtp
+from ..drafters import nextn, qwen3_5_mtp
 from ..drafters.gemma4_assistant import check_config_fits
 from ..errors import CheckpointError, MTPError
 from .mtp_tensors import mtp_family
@@ -84,6 +84,9 @@ def inspect_checkpoint(directory: str | Path) -> dict:
             report["drafter"]["problems"].append(
                 "config.json promises a built-in MTP head (mtp_num_hidden_layers) but there are no mtp.* tensors")
         report["problems"] += report["drafter"]["problems"]
+    elif nextn.has_nextn(config):
+        report["drafter"] = _describe_nextn(config, infos, quantization)
+        report["problems"] += report["drafter"]["problems"]
     elif config.get("model_type") == "gemma4_assistant":
         report["drafter"] = _describe_assistant(config, None, str(directory / "config.json"))
         report["drafter"]["merged"] = False
@@ -91,6 +94,36 @@ def inspect_checkpoint(directory: str | Path) -> dict:
     else:
         report["drafter"] = None
     return report
+
+
+def _describe_nextn(config: dict, infos: dict, quantization: dict | None) -> dict:
+    """The MTP layer a nextn config promises (``num_nextn_predict_layers``) at
+    ``model.layers.{num_hidden_layers}``: where its tensors are, what it owns, at what precision."""
+    text = config.get("text_config") or config
+    expected = int(text.get("num_hidden_layers", 0))
+    found: dict[int, list[str]] = {}  # layer index -> its tensors, for layers with an MTP layer's own parts
+    for name in infos:
+        parts = name.split(".")
+        if name.startswith("model.layers.") and len(parts) > 3 and parts[2].isdigit():
+            found.setdefault(int(parts[2]), []).append(name)
+    mtp_layers = sorted(i for i, names in found.items()
+                        if any(n.split(".", 3)[3].startswith(nextn.OWN[:3]) for n in names))
+    index = expected if expected in mtp_layers else (mtp_layers[0] if mtp_layers else None)
+    names = found.get(index, []) if index is not None else []
+    own = {n.split(".", 3)[3] for n in names}
+    precision = Counter(_precision(n, infos, quantization) for n in names if not n.endswith((".scales", ".biases")))
+    out = {"model_type": nextn.FAMILY, "family": mtp_family(f"model.layers.{expected}.eh_proj.weight", config),
+           "built_in": True, "merged": False, "layers": nextn.nextn_layers(config), "index": index,
+           "expected_index": expected, "hidden_size": text.get("hidden_size"), "own_embedding":
+           "embed_tokens.weight" in own, "own_head": "shared_head.head.weight" in own,
+           "count": len(names), "precision": dict(precision), "problems": []}
+    if index is None:
+        out["problems"].append(f"config.json promises an MTP layer (num_nextn_predict_layers: {out['layers']}) but "
+                               f"there are no model.layers.{expected}.* tensors (add them back with `omlx-mtp add-mtp`)")
+    elif index != expected:
+        out["problems"].append(f"the MTP layer's tensors sit at model.layers.{index}, not at model.layers.{expected} "
+                               f"(num_hidden_layers): num_hidden_layers does not match the checkpoint")
+    return out
 
 
 # Tensor names of the multimodal towers (mlx-vlm's names and the Hugging Face release's "model." ones).
@@ -149,7 +182,13 @@ def render(report: dict) -> str:
                 precision = ", ".join(f"{k}: {v}" for k, v in tower["precision"].items())
                 lines.append(f"{kind} tower: {tower['count']} tensors ({tower['bytes'] / 1e6:.1f} MB) precision [{precision}]")
         drafter = report.get("drafter")
-        if drafter and drafter.get("built_in"):
+        if drafter and drafter.get("model_type") == nextn.FAMILY:
+            where = "missing" if drafter["index"] is None else f"model.layers.{drafter['index']}"
+            precision = ", ".join(f"{k}: {v}" for k, v in drafter["precision"].items())
+            embedding, head = ("its own" if drafter[k] else "the trunk's" for k in ("own_embedding", "own_head"))
+            lines.append(f"drafter: built-in MTP layer ({drafter['family']}) at {where}, {embedding} embedding, "
+                         f"{head} head, precision [{precision}]")
+        elif drafter and drafter.get("built_in"):
             lines.append(f"drafter: built-in MTP head ({drafter['model_type']}), {drafter['layers']} layer(s), "
                          f"hidden {drafter['hidden_size']}")
         elif drafter:

@@ -3,7 +3,8 @@
 Shards are planned and written piece by piece (``shards``: memory stays near a few pieces of a
 few MB whatever the largest tensor).  The trunk is quantized the way mlx-lm's own converter does it (same modules, same per-module predicate, same
 ``quantization`` config, so plain ``mlx_lm.load`` loads it); MTP tensors — found through the one
-registry in ``mtp_tensors`` — are kept, in ``--dtype`` or at ``--mtp-bits``.  A Gemma 4 assistant
+registry in ``mtp_tensors`` — are kept, in ``--dtype`` or at ``--mtp-bits`` (a nextn family's MTP
+layer has its decoder block converted and quantized as a trunk layer: ``conversion``).  A Gemma 4 assistant
 can be merged in: its tensors go under ``[language_model.]mtp.`` in their own shard, which the
 index lists and mlx-lm's ``model*.safetensors`` glob leaves alone, and its config is embedded as
 ``mtp_assistant_config``.  Output is written to a temporary directory beside OUT and renamed at
@@ -17,54 +18,27 @@ import os
 import shutil
 import tempfile
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.utils import _get_classes
 
 from . import shards
+from .conversion import (MODES, QuantizeOptions, convert_mtp, model_for, mtp_scheme, override_key, sanitize_trunk,
+                         trunk_scheme)
 from .files import load_weights, read_config, tensor_infos
 from ..drafters.gemma4_assistant import check_config_fits, normalize_assistant_config
 from ..errors import MTPError
-from .loading import is_multimodal, target_config_overrides
+from .loading import is_multimodal
 from .mtp_tensors import is_mtp_tensor, mtp_shard
 
-MODES = {"affine": None, "mxfp4": (32, 4), "mxfp8": (32, 8), "nvfp4": (16, 4)}  # mode -> fixed (group, bits)
+__all__ = ["MODES", "QuantizeOptions", "mtp_sources", "quantize"]
+
 COPIED = ("*.json", "*.jinja", "tokenizer.model", "*.tiktoken", "*.txt")
 SKIPPED = {"config.json", "model.safetensors.index.json"}
 
 
-@dataclass
-class QuantizeOptions:
-    bits: int = 4
-    group_size: int = 64
-    mode: str = "affine"
-    mtp_bits: int | None = None
-    mtp_head_bits: int | None = None
-    dtype: str = "bfloat16"
-    shard_bytes: int = 5 << 30
-    force: bool = False
-
-    def scheme(self, bits: int | None = None) -> dict:
-        fixed = MODES[self.mode]
-        if fixed is not None:
-            return {"group_size": fixed[0], "bits": fixed[1], "mode": self.mode}
-        return {"group_size": self.group_size, "bits": bits or self.bits, "mode": "affine"}
-
-
 def mtp_prefix(config: dict) -> str:
     return "language_model.mtp." if config.get("model_type") == "gemma4" else "mtp."
-
-
-def _model_for(config: dict, where: str):
-    """An un-evaluated mlx-lm model of this config (for sanitize and module structure), or None."""
-    merged = {**config, **target_config_overrides(config, where)}
-    try:
-        model_class, args_class = _get_classes(config=merged)
-    except ValueError:  # a model type mlx-lm does not know: names are kept as they are
-        return None
-    return model_class(args_class.from_dict(merged))
 
 
 def _multimodal_trunk(src: Path):
@@ -127,7 +101,7 @@ def quantize(src: str | Path, out: str | Path, options: QuantizeOptions, assista
     quant_config = dict(default)
     for job in jobs:
         if job.scheme is not None and job.scheme != default:
-            quant_config[job.name[: -len(".weight")]] = dict(job.scheme)
+            quant_config[override_key(job.name)] = dict(job.scheme)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
@@ -177,10 +151,10 @@ def _sources(src: Path, config: dict, options: QuantizeOptions, default: dict, a
     if is_multimodal(config):
         model, trunk, predicate = _multimodal_trunk(src)
     else:
-        model = _model_for(config, str(src / "config.json"))
-        trunk = {k: v for k, v in lazy.items() if k not in mtp}
+        model = model_for(config, str(src / "config.json"))
+        trunk = {k: v for k, v in lazy.items() if k not in mtp}  # MTP tensors never reach the trunk's sanitize
         if model is not None and hasattr(model, "sanitize"):
-            trunk = model.sanitize(trunk)
+            trunk = sanitize_trunk(model, trunk, config)
         predicate = getattr(model, "quant_predicate", None)
     modules = dict(model.named_modules()) if model is not None else {}
     files = shards.file_tensors(src)
@@ -188,47 +162,28 @@ def _sources(src: Path, config: dict, options: QuantizeOptions, default: dict, a
 
     sources = deque()
     for name, array in trunk.items():
-        sources.append((name, array, _trunk_scheme(name, array, modules, predicate, default), False,
+        sources.append((name, array, trunk_scheme(name, array, modules, predicate, default), False,
                         in_file.get(id(array))))
-    for name, array in mtp.items():
-        sources.append((name, array, _mtp_scheme(name, array, options, head=False), True, in_file.get(id(array))))
-    if assistant is not None:
-        prefix = mtp_prefix(config)
-        assistant_files = shards.file_tensors(assistant)
-        for name, array in _assistant_tensors(assistant).items():
-            head = name == "model.embed_tokens.weight"
-            sources.append((prefix + name, array, _mtp_scheme(name, array, options, head=head), True,
-                            assistant_files.get(name)))
+    sources.extend(mtp_sources(config, mtp, in_file, options, default, predicate, str(src / "config.json"), assistant))
     return sources
 
 
-def _trunk_scheme(name, array, modules, predicate, default):
-    if not name.endswith(".weight") or array.ndim < 2:
-        return None
-    path = name[: -len(".weight")]
-    module = modules.get(path)
-    if module is None or not hasattr(module, "to_quantized"):
-        return None
-    scheme = dict(default)
-    if array.shape[-1] % scheme["group_size"]:
-        return None
-    if predicate is not None:
-        decision = predicate(path, module)
-        if decision is False:
-            return None
-        if isinstance(decision, dict):
-            scheme.update(decision)
-    return scheme
-
-
-def _mtp_scheme(name, array, options: QuantizeOptions, head: bool):
-    bits = options.mtp_head_bits if head else options.mtp_bits
-    if bits is None or not name.endswith(".weight") or array.ndim != 2 or "norm" in name:
-        return None
-    scheme = options.scheme(bits)
-    if array.shape[-1] % scheme["group_size"]:
-        return None
-    return scheme
+def mtp_sources(config: dict, mtp: dict, in_file: dict, options: QuantizeOptions, default: dict | None, predicate,
+                where: str, assistant: Path | None = None, assistant_prefix: str | None = None) -> list:
+    """The MTP part of the sources: the checkpoint's MTP tensors (``mtp``: lazy arrays by name;
+    ``in_file``: their file regions by array id) as ``convert_mtp`` lays them out, then a merged
+    assistant's (under ``assistant_prefix``, by default the one ``config``'s loaders read).
+    ``quantize`` and ``add-mtp`` both write these."""
+    out = [(name, array, scheme, True, in_file.get(id(array)))
+           for name, array, scheme in convert_mtp(mtp, config, options, default, predicate, where)]
+    if assistant is not None:
+        prefix = assistant_prefix or mtp_prefix(config)
+        assistant_files = shards.file_tensors(assistant)
+        for name, array in _assistant_tensors(assistant).items():
+            head = name == "model.embed_tokens.weight"
+            out.append((prefix + name, array, mtp_scheme(name, array, options, head=head), True,
+                        assistant_files.get(name)))
+    return out
 
 
 def _assistant_tensors(directory: Path) -> dict:

@@ -93,10 +93,11 @@ class _Reader:
         self._handles.clear()
 
 
-def file_tensors(directory: Path) -> dict[str, _FileTensor]:
-    """name -> _FileTensor for every tensor of a checkpoint (headers already validated)."""
+def file_tensors(directory: Path, files: list[Path] | None = None) -> dict[str, _FileTensor]:
+    """name -> _FileTensor for every tensor of a checkpoint, or of those of its ``files`` (headers
+    already validated)."""
     found = {}
-    for file in safetensors_files(directory):
+    for file in safetensors_files(directory) if files is None else files:
         with open(file, "rb") as handle:
             length = int.from_bytes(handle.read(8), "little")
             header = json.loads(handle.read(length))

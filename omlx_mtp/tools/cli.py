@@ -1,4 +1,4 @@
-"""omlx-mtp command line: generate, demo, bench, quantize, inspect, settings and patch."""
+"""omlx-mtp command line: generate, demo, bench, quantize, add-mtp, inspect, settings and patch."""
 
 from __future__ import annotations
 
@@ -67,6 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     quant.add_argument("--force", action="store_true", help="replace an existing OUT")
     quant.add_argument("--shard-size-mb", type=int, default=5120, help="maximum shard size (default 5 GB)")
+
+    add = sub.add_parser("add-mtp", help="add the MTP weights a converted quant dropped, from the original release")
+    add.add_argument("original", help="the original (Hugging Face) checkpoint; only its MTP shards are read")
+    add.add_argument("mlx_dir", help="the quantized MLX checkpoint to add them to (its weight files are kept)")
+    add.add_argument("--bits", type=int, choices=[2, 3, 4, 5, 6, 8], default=None,
+                     help="bits for the MTP weights (default: MLX_DIR's quantization)")
+    add.add_argument("--group-size", type=int, choices=[32, 64, 128], default=None)
+    add.add_argument("--mode", choices=["affine", "mxfp4", "mxfp8", "nvfp4"], default=None)
+    add.add_argument("--assistant", help="Gemma 4 assistant to merge in (as quantize --assistant does)")
+    add.add_argument("--force", action="store_true", help="replace MTP weights MLX_DIR already holds")
 
     sett = sub.add_parser("settings", help="MTP model settings (YAML)")
     sett_sub = sett.add_subparsers(dest="settings_command", required=True)
@@ -243,6 +253,22 @@ def cmd_quantize(args) -> int:
     return 0
 
 
+def cmd_add_mtp(args) -> int:
+    from ..checkpoint.add_mtp import add_mtp
+    from ..checkpoint.files import safetensors_files
+
+    try:
+        read = add_mtp(args.original, args.mlx_dir, bits=args.bits, group_size=args.group_size, mode=args.mode,
+                       assistant=args.assistant, force=args.force)
+    except KeyboardInterrupt:
+        print(f"omlx-mtp: interrupted; {args.mlx_dir} is as it was", file=sys.stderr)
+        return 130
+    total = sum(f.stat().st_size for f in safetensors_files(args.original))
+    print(f"read {read / 1e6:.1f} MB of {args.original} ({read / max(total, 1):.1%} of its weights)")
+    print(f"added the MTP weights to {args.mlx_dir}")
+    return 0
+
+
 def cmd_settings(args) -> int:
     from ..hosts import settings
 
@@ -278,7 +304,7 @@ def cmd_inspect(args) -> int:
 
 
 COMMANDS = {"generate": cmd_generate, "demo": cmd_demo, "bench": cmd_bench, "quantize": cmd_quantize,
-            "inspect": cmd_inspect, "settings": cmd_settings, "patch": cmd_patch}
+            "add-mtp": cmd_add_mtp, "inspect": cmd_inspect, "settings": cmd_settings, "patch": cmd_patch}
 
 
 def main(argv=None) -> int:

@@ -189,7 +189,8 @@ def test_mtp_tensors_are_those_quantize_writes(qwen, tmp_path):
 
 def assert_drafts_like_original(original, target, head):
     reference = load_merged_drafter(original, target)  # the original's head, unquantized, on the same trunk
-    tokens, hidden = mx.array([[5, 9, 13, 17, 21]]), mx.random.normal((1, 5, target.args.hidden_size), key=mx.random.key(3))
+    tokens = mx.array([[5, 9, 13, 17, 21]])
+    hidden = mx.random.normal((1, 5, target.args.hidden_size), key=mx.random.key(3))
     ours, _ = head.step(target, tokens, hidden, head.make_cache(1, 8))
     theirs, _ = reference.step(target, tokens, hidden, reference.make_cache(1, 8))
     error = (mx.abs(ours - theirs).max() / mx.abs(theirs).max()).item()
@@ -359,3 +360,74 @@ def test_multimodal_quant_gets_the_side_folder(tmp_path):
     assert json.loads((q / "config.json").read_text())["quantization"]["mtp.fc"]["mode"] == "mxfp4"
     assert set(digests(q)) == set(after)
     check_decodes_losslessly(q, 512, count=1)
+
+
+def fp8_release(original, out, dequantized):
+    """Copies of a nextn checkpoint with its MTP layer's matrices stored as DeepSeek-V3's releases
+    store them (F8_E4M3, one float32 weight_scale_inv per 128 x 128 block) in ``out``, and as the
+    model's sanitizer dequantizes them (bfloat16) in ``dequantized``."""
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((original / "config.json").read_text())
+    N = config["num_hidden_layers"]
+    weight_map = json.loads((original / INDEX).read_text())["weight_map"]
+    for directory, kind in ((out, "fp8"), (dequantized, "bf16")):
+        shutil.copytree(original, directory)
+        new_map = dict(weight_map)
+        for file in original.glob("model-*.safetensors"):
+            tensors = {}
+            for name, value in mx.load(str(file)).items():
+                rest = name.removeprefix(f"model.layers.{N}.")
+                if rest == name or value.ndim != 2 or "norm" in rest or rest.startswith(("mlp.gate.", "embed_tokens")):
+                    tensors[name] = torch.from_numpy(np.array(value))
+                    continue
+                m, n = value.shape
+                blocks = value.astype(mx.float32)
+                pad = mx.pad(blocks, ((0, -m % 128), (0, -n % 128))).reshape((m + -m % 128) // 128, 128, -1, 128)
+                scale = mx.maximum(mx.abs(pad).max(axis=(1, 3)), 1e-12) / 448.0
+                expanded = mx.repeat(mx.repeat(scale, 128, axis=0), 128, axis=1)[:m, :n]
+                stored = mx.to_fp8(blocks / expanded)
+                if kind == "fp8":
+                    tensors[name] = torch.from_numpy(np.array(stored)).view(torch.float8_e4m3fn)
+                    tensors[name + "_scale_inv"] = torch.from_numpy(np.array(scale))
+                    new_map[name + "_scale_inv"] = file.name
+                else:  # what mlx-lm's dequant gives: bfloat16 values times the float32 scale, in bfloat16
+                    deq = (mx.from_fp8(stored, dtype=mx.bfloat16) * expanded).astype(mx.bfloat16)
+                    tensors[name] = torch.from_numpy(np.array(deq.astype(mx.float32))).to(torch.bfloat16)
+            save_file(tensors, str(directory / file.name), metadata={"format": "pt"})
+        (directory / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": new_map}))
+    return out
+
+
+def test_fp8_release(tmp_path):
+    """DeepSeek-V3.x releases are FP8: the MTP layer is dequantized by the model's sanitizer (the
+    block and eh_proj alike) and written as from a bfloat16 release of the same values."""
+    pytest.importorskip("torch")
+    from omlx_mtp.fixtures.tiny_nextn import TinyNextnSpec, write_nextn
+
+    original = write_nextn(tmp_path / "original", TinyNextnSpec(family="deepseek_v3"))
+    fp8 = fp8_release(original, tmp_path / "fp8", tmp_path / "bf16")
+    q8 = mlx_community_quant(original, tmp_path / "q8", bits=8)
+    reference = tmp_path / "q8-reference"
+    shutil.copytree(q8, reference)
+    add_mtp(fp8, q8, progress=False)
+    add_mtp(tmp_path / "bf16", reference, progress=False)
+    added, expected = mx.load(str(q8 / "mtp.safetensors")), mx.load(str(reference / "mtp.safetensors"))
+    assert set(added) == set(expected) and not any("scale_inv" in name for name in added)
+    for name, value in expected.items():
+        assert mx.array_equal(added[name], value).item(), name
+    check_decodes_losslessly(q8, 512, count=1)
+
+    from safetensors.torch import load_file, save_file  # an FP8 weight without its scale is refused
+
+    scale = "model.layers.3.eh_proj.weight_scale_inv"
+    shard = next(f for f in fp8.glob("model-*.safetensors") if scale in load_file(f))
+    tensors = load_file(shard)
+    del tensors[scale]
+    save_file(tensors, str(shard))
+    before = digests(reference)
+    with pytest.raises(MTPError, match="eh_proj.weight is FP8 .* does not dequantize it"):
+        add_mtp(fp8, reference, force=True, progress=False)
+    assert digests(reference) == before

@@ -74,8 +74,6 @@ def add_mtp(original: str | Path, mlx_dir: str | Path, bits: int | None = None, 
             progress: bool = True) -> int:
     """Add ORIGINAL's MTP tensors (and an ``assistant``'s, Gemma 4) to the quant in ``mlx_dir``;
     returns the bytes read from ORIGINAL."""
-    from tqdm import tqdm
-
     original, mlx_dir = Path(original), Path(mlx_dir)
     reads = _Reads()
     config = read_config(original)
@@ -96,7 +94,7 @@ def add_mtp(original: str | Path, mlx_dir: str | Path, bits: int | None = None, 
 
     weight_map = reads.json(original / INDEX).get("weight_map", {}) if (original / INDEX).is_file() else None
     files = _mtp_files(original, config, weight_map)
-    infos = tensor_infos(original, files)  # validates those headers and their dtypes
+    infos = tensor_infos(original, files, accept=("F8_E4M3",))  # validates those headers and their dtypes
     for file in files:
         reads.header(file)
     mtp_names = [n for n in infos if is_mtp_tensor(n, config)]
@@ -117,19 +115,9 @@ def add_mtp(original: str | Path, mlx_dir: str | Path, bits: int | None = None, 
     if default is not None:
         options.bits, options.group_size, options.mode = default["bits"], default["group_size"], default["mode"]
         options.mtp_bits = options.mtp_head_bits = default["bits"]
-    lazy = {}
-    for file in files:
-        check_safetensors_header(file)
-        lazy.update({k: v for k, v in mx.load(str(file)).items() if k in mtp_names})
-    regions = shards.file_tensors(original, files)
-    in_file = {id(array): regions[name] for name, array in lazy.items()}  # `lazy` keeps the ids alive
-    where = str(original / "config.json")
-    model = model_for(config, where)
     prefix = mtp_prefix(mlx_config)
-    sources = deque(mtp_sources(config, lazy, in_file, options, default, getattr(model, "quant_predicate", None),
-                                where, assistant, assistant_prefix=prefix))
-    reads.total += sum(int(array.nbytes) for array in lazy.values())
-    del lazy
+    sources, read = _sources(original, config, files, mtp_names, infos, options, default, assistant, prefix)
+    reads.total += read
 
     side = mtp_shard(mlx_config)
     room = shards.header_room((name, array.shape) for name, array, *_ in sources)
@@ -143,13 +131,47 @@ def add_mtp(original: str | Path, mlx_dir: str | Path, bits: int | None = None, 
     overrides = {override_key(job.name): dict(job.scheme) for job in jobs
                  if job.scheme is not None and job.scheme != base}
 
+    final = _new_config(new_config, default, overrides, present, force, assistant, assistant_config, prefix)
+    _write(mlx_dir, final, jobs, layout, side, options.dtype, progress)
+    return reads.total
+
+
+def _sources(original: Path, config: dict, files: list[Path], mtp_names: list[str], infos: dict,
+             options: QuantizeOptions, default, assistant, prefix: str) -> tuple[deque, int]:
+    """The MTP tensors of ``files`` (lazy: only their bytes are read, when written) as
+    ``quantize`` converts them, and the bytes that will be read."""
+    lazy = {}
+    for file in files:
+        check_safetensors_header(file)
+        lazy.update({k: v for k, v in mx.load(str(file)).items() if k in mtp_names})
+    regions = shards.file_tensors(original, files)
+    in_file = {id(array): regions[name] for name, array in lazy.items()}  # `lazy` keeps the ids alive
+    where = str(original / "config.json")
+    model = model_for(config, where)
+    sources = deque(mtp_sources(config, lazy, in_file, options, default, getattr(model, "quant_predicate", None),
+                                where, assistant, assistant_prefix=prefix))
+    # FP8 releases (DeepSeek-V3.x): the model's sanitizer dequantizes each FP8 weight by its
+    # weight_scale_inv; one that comes out as it went in has nothing to be read by.
+    fp8 = sorted(name for name, array, *_ in sources
+                 if infos.get(name, (None, ""))[1] == "F8_E4M3" and array.dtype == mx.uint8)
+    if fp8:
+        raise MTPError(f"{original}: {fp8[0]} is FP8 (F8_E4M3) and the model's sanitizer does not dequantize it "
+                       "(it needs a weight_scale_inv beside it, as DeepSeek-V3.x releases have)")
+    return sources, sum(int(array.nbytes) for array in lazy.values())
+
+
+def _write(mlx_dir: Path, config: dict, jobs, layout, side: str, dtype: str, progress: bool) -> None:
+    """Write the side shard, the index and ``config`` in a staging directory beside MLX_DIR, then
+    rename them in, config.json last."""
+    from tqdm import tqdm
+
     staging = Path(tempfile.mkdtemp(prefix=_STAGING.format(name=mlx_dir.name, pid=os.getpid()), dir=mlx_dir.parent))
     try:
         total = sum(job.nbytes for job in jobs)
         try:
             layout.open(staging)
             with tqdm(total=total, unit="B", unit_scale=True, desc="add-mtp", disable=not progress) as bar:
-                shards.convert_all(jobs, getattr(mx, options.dtype), bar)
+                shards.convert_all(jobs, getattr(mx, dtype), bar)
             for shard in layout.shards:
                 os.fsync(shard.fd)
         finally:
@@ -158,17 +180,15 @@ def add_mtp(original: str | Path, mlx_dir: str | Path, bits: int | None = None, 
         folder = Path(side).parent  # mtp/ for a multimodal checkpoint: moved whole when MLX_DIR has none
         whole = folder != Path(".") and not (mlx_dir / folder).exists()
         moves = [(staging / folder, mlx_dir / folder) if whole else (staging / side, mlx_dir / side)]
-        if (mlx_dir / INDEX).is_file() and not is_multimodal(mlx_config):  # where quantize lists it
-            index = _new_index(mlx_dir, new_config, written, side, (staging / side).stat().st_size)
+        if (mlx_dir / INDEX).is_file() and not is_multimodal(config):  # where quantize lists it
+            index = _new_index(mlx_dir, config, written, side, (staging / side).stat().st_size)
             _write_json(staging / INDEX, index)
             moves.append((staging / INDEX, mlx_dir / INDEX))
-        new_config = _new_config(new_config, default, overrides, present, force, assistant, assistant_config, prefix)
-        _write_json(staging / "config.json", new_config)
+        _write_json(staging / "config.json", config)
         moves.append((staging / "config.json", mlx_dir / "config.json"))  # last: loaders read it first
         _commit(staging, moves)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return reads.total
 
 
 def _remove_stale_staging(mlx_dir: Path) -> None:
@@ -199,7 +219,9 @@ def _family(config: dict) -> str:
 
 def _check_same_model(config: dict, mlx_config: dict, original: Path, mlx_dir: Path) -> None:
     text, mlx_text = text_config(config), text_config(mlx_config)
-    differ = [f"model_type {_family(mlx_config)!r} vs {_family(config)!r}"] if _family(config) != _family(mlx_config) else []
+    differ = []
+    if _family(config) != _family(mlx_config):
+        differ.append(f"model_type {_family(mlx_config)!r} vs {_family(config)!r}")
     differ += [f"{key} {mlx_text[key]} vs {text[key]}" for key in SHAPE_KEYS
                if key in text and key in mlx_text and text[key] != mlx_text[key]]
     if differ:
@@ -283,7 +305,8 @@ def _dtype(infos: dict) -> str:
     for name, (_, dtype, _) in infos.items():
         if _trunk_name(name) == "norm.weight" and dtype in _FLOATS:
             return _FLOATS[dtype]
-    found = Counter(_FLOATS[d] for n, (_, d, _) in infos.items() if d in _FLOATS and not n.endswith((".scales", ".biases")))
+    found = Counter(_FLOATS[d] for n, (_, d, _) in infos.items()
+                    if d in _FLOATS and not n.endswith((".scales", ".biases")))
     return found.most_common(1)[0][0] if found else "bfloat16"
 
 

@@ -178,14 +178,15 @@ def convert_mtp(mtp: dict, config: dict, options: QuantizeOptions, default: dict
     modules = dict(deeper.named_modules()) if deeper is not None else {}
     block_predicate = getattr(deeper, "quant_predicate", None) if deeper is not None else predicate
     for (prefix, index), names in sorted(layers.items()):
-        own = {n: nextn[n] for n in names if n[len(f"{prefix}{index}."):].startswith(NEXTN_OWN)}
-        for name, value in own.items():
-            head = name[len(f"{prefix}{index}."):].startswith(NEXTN_HEAD)
-            out.append((name, value, mtp_scheme(name, value, options, head=head, predicate=block_predicate)))
-        block = {n: nextn[n] for n in names if n not in own}
-        if deeper is None or not hasattr(deeper, "sanitize"):  # mlx-lm does not know it: kept as stored
-            out += [(n, v, mtp_scheme(n, v, options, head=False, predicate=predicate)) for n, v in block.items()]
-            continue
-        for name, value in sanitize_alone(deeper, block, prefix, index).items():
-            out.append((name, value, trunk_scheme(name, value, modules, block_predicate, default)))
+        layer = {n: nextn[n] for n in names}
+        if deeper is not None and hasattr(deeper, "sanitize"):  # else mlx-lm does not know it: kept as stored
+            # The whole layer: the sanitizer passes the own parts through (an FP8 one dequantized).
+            layer = sanitize_alone(deeper, layer, prefix, index)
+        for name, value in layer.items():
+            rest = name[len(f"{prefix}{index}."):]
+            if rest.startswith(NEXTN_OWN) or deeper is None:
+                scheme = mtp_scheme(name, value, options, head=rest.startswith(NEXTN_HEAD), predicate=block_predicate)
+            else:
+                scheme = trunk_scheme(name, value, modules, block_predicate, default)
+            out.append((name, value, scheme))
     return out

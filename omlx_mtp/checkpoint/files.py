@@ -73,9 +73,10 @@ DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8"
                "BOOL": 1}
 
 
-def tensor_infos(path: str | Path, files: list[Path] | None = None) -> dict[str, tuple[Path, str, list[int]]]:
+def tensor_infos(path: str | Path, files: list[Path] | None = None,
+                 accept: tuple[str, ...] = ()) -> dict[str, tuple[Path, str, list[int]]]:
     """name -> (file, safetensors dtype, shape) for every tensor (or every tensor of ``files``),
-    read from the headers only."""
+    read from the headers only; dtypes other than DTYPE_BYTES' (and ``accept``) are refused."""
     infos = {}
     for file in safetensors_files(path) if files is None else files:
         try:
@@ -83,7 +84,7 @@ def tensor_infos(path: str | Path, files: list[Path] | None = None) -> dict[str,
                 for name in handle.keys():
                     view = handle.get_slice(name)
                     dtype = view.get_dtype()
-                    if dtype not in DTYPE_BYTES:
+                    if dtype not in DTYPE_BYTES and dtype not in accept:
                         raise CheckpointError(f"{file}: tensor {name} has unsupported dtype {dtype}")
                     infos[name] = (file, dtype, list(view.get_shape()))
         except (SafetensorError, OSError, ValueError) as exc:

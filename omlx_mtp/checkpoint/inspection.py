@@ -119,7 +119,8 @@ def _describe_nextn(config: dict, infos: dict, quantization: dict | None) -> dic
            "count": len(names), "precision": dict(precision), "problems": []}
     if index is None:
         out["problems"].append(f"config.json promises an MTP layer (num_nextn_predict_layers: {out['layers']}) but "
-                               f"there are no model.layers.{expected}.* tensors (add them back with `omlx-mtp add-mtp`)")
+                               f"there are no model.layers.{expected}.* tensors "
+                               "(add them back with `omlx-mtp add-mtp`)")
     elif index != expected:
         out["problems"].append(f"the MTP layer's tensors sit at model.layers.{index}, not at model.layers.{expected} "
                                f"(num_hidden_layers): num_hidden_layers does not match the checkpoint")

@@ -28,6 +28,7 @@ _SAFETENSORS_DTYPES = {
     mx.int8: "I8", mx.uint64: "U64", mx.uint32: "U32", mx.uint16: "U16", mx.uint8: "U8", mx.bool_: "BOOL",
 }
 _MX_DTYPES = {code: dtype for dtype, code in _SAFETENSORS_DTYPES.items()}
+_MX_DTYPES["F8_E4M3"] = mx.uint8  # as mx.load reads FP8 (a sanitizer dequantizes it with its weight_scale_inv)
 
 # Source bytes quantized as one piece of work.  Quantizing is row-wise (groups run along the last
 # axis), so a tensor cut into pieces of whole rows quantizes to exactly the same bytes; small

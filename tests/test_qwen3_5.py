@@ -124,20 +124,20 @@ def test_head_reads_exactly_the_committed_pairs(qwen, with_plain_stretches, monk
             sequence = list(batch[r]) + rows[r].generated
             if N >= len(sequence) or sequence[N] != token:
                 continue  # a finished row's slot
-            assert draft == _draft_from_scratch(qwen, sequence[: N + 1])
+            assert draft == draft_from_scratch(qwen.target, qwen.head, sequence[: N + 1])
             checked += 1
     assert checked >= 10
 
 
-def _draft_from_scratch(qwen, sequence):
-    target, head = qwen.target, qwen.head
+def draft_from_scratch(target, head, sequence):
+    """The head's first draft after ``sequence``, run over all its true pairs in one forward."""
     cache = target.make_cache(1, slack=len(sequence))
     hidden = target.hidden(mx.array([sequence[:-1]]), cache)  # T_0 .. T_{N-1}
     own = head.make_cache(1, slack=len(sequence))
     for table in caches.tables_of(own):
         table.start_at([1])  # position 0 has no pair
-    out = head._run(target, mx.array([sequence[1:]]), hidden, own)
-    return int(mx.argmax(target.head(out[:, -1]), axis=-1).item())
+    logits, _ = head.step(target, mx.array([sequence[1:]]), hidden, own)
+    return int(mx.argmax(logits, axis=-1).item())
 
 
 def test_rows_joining_late_through_the_host_api(qwen):

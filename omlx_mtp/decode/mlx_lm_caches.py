@@ -24,6 +24,7 @@ from .linear_state import LinearStateCache
 def from_mlx_lm(target, layer_caches: list, slack: int) -> list[PositionalKVCache]:
     """One request's mlx-lm caches -> a one-row cache list of ours with ``slack``."""
     ours = target.make_cache(1, slack=slack)
+    layer_caches = _flat(target, layer_caches)
     if len(layer_caches) != len(ours):
         raise MTPError(f"expected {len(ours)} layer caches, got {len(layer_caches)}")
     ordered = []
@@ -84,7 +85,16 @@ def to_mlx_lm(target, caches: list, row: int = 0) -> list:
             layer.keys, layer.values = cache.keys[row : row + 1, :, slots], cache.values[row : row + 1, :, slots]
             layer.offset, layer._idx = length, held
         out.append(layer)
-    return out
+    regroup = getattr(target, "host_cache_layers", None)  # a host layer that keeps several caches
+    return regroup(out) if regroup is not None else out
+
+
+def _flat(target, layer_caches: list) -> list:
+    """The host's per-layer caches as one list of K/V or state caches, as ``make_cache`` lays them
+    out (mlx-lm's ``CacheList`` holds several caches of one layer: DeepSeek-V3.2's latents and
+    indexer keys)."""
+    flatten = getattr(target, "host_cache_groups", None)
+    return flatten(layer_caches) if flatten is not None else layer_caches
 
 
 def _linear_state(layer) -> list:

@@ -20,7 +20,9 @@ class TargetModel(Protocol):
     compiled graph where ``compiled`` is set).  ``kv_source`` names the K/V a drafter layer of a
     kind reads; ``plain_model`` is a callable for mlx-lm's own decode loops (the reference MTP
     matches), which also takes a prompt's ``embeddings``; ``cache_classes`` are the host's
-    (full, sliding) cache types for caches handed back to it."""
+    (full, sliding) cache types for caches handed back to it.  A target whose host layers keep
+    several caches each may also have ``host_cache_groups`` (the host's per-layer caches -> the flat
+    list ``make_cache`` lays out) and ``host_cache_layers`` (the reverse)."""
 
     vocab_size: int
     sliding_window: int | None

@@ -11,6 +11,7 @@ from .files import check_safetensors_header, read_config, safetensors_files
 from ..errors import CheckpointError
 from .gemma4_config import normalize_text_config
 from .mtp_tensors import is_mtp_tensor
+from .sharded import shard_model
 
 SUPPORTED_TARGETS = ("gemma4", "gemma4_text", "qwen3_5", "qwen3_5_moe", "glm4_moe", "glm4_moe_lite", "deepseek_v3",
                      "deepseek_v32", "qwen3_next")
@@ -57,8 +58,10 @@ def is_multimodal(config: dict) -> bool:
     return bool(config.get("vision_config") or config.get("audio_config"))
 
 
-def load_target(path: str | Path, with_tokenizer: bool = True):
-    """Return (model, tokenizer or None, config) for a checkpoint directory of a supported family."""
+def load_target(path: str | Path, with_tokenizer: bool = True, sharding: str | None = None):
+    """Return (model, tokenizer or None, config) for a checkpoint directory of a supported family.
+    ``sharding`` ("pipeline", "tensor" or "auto"): split the trunk over the ranks of
+    ``mx.distributed`` with mlx-lm's own sharding (``checkpoint.sharded``)."""
     directory = Path(path)
     config = read_config(directory)
     model_type = config.get("model_type")
@@ -71,10 +74,15 @@ def load_target(path: str | Path, with_tokenizer: bool = True):
         check_safetensors_header(file)
     try:
         if is_multimodal(config) and model_type in VLM_TARGETS:
+            if sharding is not None:
+                raise CheckpointError(f"{directory}: a multimodal checkpoint loads through mlx-vlm, which has no "
+                                      "sharding; serve it on one machine")
             model = _load_vlm(directory)
         else:
-            model, _ = load_model(directory, model_config=target_config_overrides(config, str(directory / "config.json")),
-                                  get_model_classes=trunk_classes)
+            model, _ = load_model(directory, lazy=sharding is not None, get_model_classes=trunk_classes,
+                                  model_config=target_config_overrides(config, str(directory / "config.json")))
+            if sharding is not None:
+                shard_model(model, sharding, str(directory))
     except ValueError as exc:  # mlx-lm and mlx-vlm report missing/extra/mis-shaped weights this way
         raise CheckpointError(f"{directory}: weights do not match config.json ({exc})") from None
     tokenizer = None

@@ -32,7 +32,12 @@ class LiveBatch:
         self.auto = draft_tokens == "auto"
         depth = decoder.max_draft_tokens if self.auto else int(draft_tokens)
         self.max_depth = 0 if decoder.drafter is None else depth
-        self.key = mx.random.key(seed if seed is not None else time.time_ns() % (2**31))
+        seed = seed if seed is not None else time.time_ns() % (2**31)
+        self.ranks = getattr(decoder, "ranks", None)  # a sharded target's ranks, kept in step (None: one process)
+        if self.ranks is not None:
+            seed = self.ranks.agree_seed(seed)
+        self.key = mx.random.key(seed)
+        self._unchecked: list[int] = []  # first tokens sampled since the ranks last compared decisions
         self.rows: list[RowState] = []
         self.cache = self.bonus = self.hidden = None
         self.logits = None  # processed verify logits of the last round [B, K+1, V] (for logprobs)
@@ -70,6 +75,7 @@ class LiveBatch:
             row.history = mx.concatenate([row.history, mx.array([token], dtype=mx.int32)])
             new.append(row.emit([token]))
         self.first_logits = logits
+        self._unchecked += [len(rows), *first]
         live = [i for i, row in enumerate(rows) if row.finish_reason is None]
         if live:
             self._join([rows[i] for i in live], *_select(live, len(rows), bonus, hidden[:, -1:], cache))
@@ -171,7 +177,8 @@ class LiveBatch:
         drafts, n, bonus, hidden, self.logits = self.decoder._round(
             rows, self.cache, self.bonus, self.hidden, K, self._split_key(), caps)
         drafts_host, n_host, bonus_host = drafts.tolist(), n.tolist(), bonus.tolist()
-        self._observe(caps, n_host, self._timing(started, traces))
+        seconds = self._settle(self._timing(started, traces), [len(rows), *caps, *n_host, *bonus_host])
+        self._observe(caps, n_host, seconds)
         new, lengths = [], []
         for slot, row in enumerate(rows):
             kept = drafts_host[slot][: n_host[slot]] + [bonus_host[slot]]
@@ -211,7 +218,8 @@ class LiveBatch:
         decoder._absorb_stretch(self.cache, fed)
         tokens = mx.stack([b for b, _ in steps], axis=1).tolist()
         self.logits = mx.concatenate([l for _, l in steps], axis=1)
-        seconds = self._timing(started, traces, len(steps))
+        seconds = self._settle(self._timing(started, traces, len(steps)),
+                               [len(rows), len(steps), *(t for row_tokens in tokens for t in row_tokens)])
         for _ in steps:
             self._observe([0] * len(rows), [0] * len(rows), seconds)
         new = []
@@ -222,6 +230,14 @@ class LiveBatch:
             new.append(emitted)
         self.bonus, self.hidden = bonus, hidden
         return new
+
+    def _settle(self, seconds: float | None, decided: list[int]) -> float | None:
+        """With a sharded target: check the ranks decided alike, and take rank 0's time (what every
+        rank's controllers then observe, so that they choose alike)."""
+        if self.ranks is None:
+            return seconds
+        decided, self._unchecked = self._unchecked + decided, []
+        return self.ranks.settle(seconds, decided)
 
     def _timing(self, started: float, traces: int, steps: int = 1) -> float | None:
         """Seconds per step since ``started``; None when a graph was traced meanwhile."""

@@ -44,10 +44,14 @@ class SpeculativeDecoder:
         prefill_step: int = 512,
         max_draft_tokens: int = 8,
         min_acceptance: float = 0.0,
+        ranks=None,
     ):
         """draft_tokens: a fixed depth, or "auto" (chosen per request and round by a DepthController
         from the measured acceptance and round cost, up to max_draft_tokens; plain decoding when MTP
-        would not gain, or when acceptance falls below min_acceptance)."""
+        would not gain, or when acceptance falls below min_acceptance).  ranks: a ``RankGroup``
+        when the target is sharded over ``mx.distributed``: every round's decisions are compared
+        across ranks, and rank 0's round times are the ones every rank's controllers observe."""
+        self.ranks = ranks
         self.target = target
         self.drafter = drafter
         self.draft_tokens = draft_tokens

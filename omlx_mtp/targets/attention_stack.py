@@ -18,7 +18,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache
 
 from ..decode import cache as caches
-from .base import Target
+from .base import Target, stage_layers
 
 
 class AttentionStackTarget(Target):
@@ -47,7 +47,7 @@ class AttentionStackTarget(Target):
 
     @property
     def num_layers(self) -> int:
-        return len(self.body.layers)
+        return len(stage_layers(self.body))  # a pipeline stage's own, on a sharded trunk
 
     # -- the loop's target interface --------------------------------------------------------
     def make_cache(self, batch_size: int, slack: int) -> list:
@@ -56,6 +56,7 @@ class AttentionStackTarget(Target):
     def layer_caches(self, cache: list) -> list:
         """A flat cache list as the host's layers take it: one cache each, or a list per layer."""
         n = self.caches_per_layer
+        cache = cache[: self.num_layers * n]  # the loop keeps a drafter's own caches after the target's
         return cache if n == 1 else [cache[i : i + n] for i in range(0, len(cache), n)]
 
     def input_embedding(self, tokens: mx.array) -> mx.array:

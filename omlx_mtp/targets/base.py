@@ -29,8 +29,10 @@ class Target:
         """compiled: run short forwards on this package's caches as one compiled graph (default:
         where this mlx's compiled graphs round exactly as its op-by-op ones)."""
         self.model = model
+        self.sharding = sharding_of(model)
         if compiled is None:
-            compiled = compiled_forward_exact()
+            # A sharded forward sends, receives and sums across ranks: it runs op by op.
+            compiled = compiled_forward_exact() and self.sharding is None
         self.compiled = CompiledForward(self) if compiled else None
 
     @classmethod
@@ -55,6 +57,32 @@ class Target:
 
     def describe(self) -> str:
         return f"{self.family} ({type(self.model).__module__}.{type(self.model).__name__})"
+
+
+def sharding_of(model) -> str | None:
+    """"pipeline" or "tensor" for a model sharded by ``checkpoint.loading.load_target``, else None."""
+    return getattr(model, "omlx_mtp_sharding", None)
+
+
+def stage_layers(body) -> list:
+    """The decoder layers this rank runs: all of them, or its pipeline stage's (mlx-lm's
+    ``PipelineMixin`` keeps the others' places as None)."""
+    return list(getattr(body, "pipeline_layers", body.layers))
+
+
+def pipelined(body, h: mx.array, run_layers) -> mx.array:
+    """``run_layers(h)`` as one stage of mlx-lm's pipeline: the stage after this rank's (rank + 1:
+    rank 0 holds the last layers) hands its output in, this rank's goes to rank - 1, and the last
+    stage's output is gathered so every rank holds the final hidden state."""
+    rank, size = getattr(body, "pipeline_rank", 0), getattr(body, "pipeline_size", 1)
+    if size == 1:
+        return run_layers(h)
+    if rank < size - 1:
+        h = mx.distributed.recv_like(h, rank + 1)
+    h = run_layers(h)
+    if rank != 0:
+        h = mx.distributed.send(h, (rank - 1) % size)
+    return mx.distributed.all_gather(h)[: h.shape[0]]
 
 
 class LogitsOnly:

@@ -23,7 +23,7 @@ from mlx_lm.models.base import create_attention_mask
 
 from ..decode.cache import SlotTable, PositionalKVCache
 from ..decode.linear_state import LinearStateCache
-from .base import Target
+from .base import Target, pipelined, stage_layers
 
 
 class HybridTarget(Target):
@@ -37,9 +37,9 @@ class HybridTarget(Target):
         self.args = text.args
         self.hidden_size = self.args.hidden_size
         self.vocab_size = self.args.vocab_size
-        self.layers = list(self.body.layers)
+        self.layers = stage_layers(self.body)  # a pipeline stage's own layers on a sharded trunk
         self.linear = [layer.is_linear for layer in self.layers]
-        if all(self.linear):
+        if all(self.linear) and not getattr(self.body, "pipeline_size", 1) > 1:
             raise TypeError(f"a {self.family} model without full-attention layers")
         # The trunk's forwards mutate linear states in ways a compiled graph of K/V caches can't follow.
         super().__init__(model, compiled=False)
@@ -59,13 +59,17 @@ class HybridTarget(Target):
     def hidden(self, tokens: mx.array, cache: list, embeddings: mx.array | None = None) -> mx.array:
         """The trunk's final-normed hidden states, [B, L, H]."""
         h = self.body.embed_tokens(tokens) if embeddings is None else embeddings
-        full = next(c for c, linear in zip(cache, self.linear) if not linear)
-        mask = create_attention_mask(h, full)
-        for layer, linear, c in zip(self.layers, self.linear, cache):
-            if linear:
-                c.record(h)
-            h = layer(h, mask=None if linear else mask, cache=c)
-        return self.body.norm(h)
+        full = next((c for c, linear in zip(cache, self.linear) if not linear), None)  # a stage may have none
+        mask = None if full is None else create_attention_mask(h, full)
+
+        def run_layers(h):
+            for layer, linear, c in zip(self.layers, self.linear, cache):
+                if linear:
+                    c.record(h)
+                h = layer(h, mask=None if linear else mask, cache=c)
+            return h
+
+        return self.body.norm(pipelined(self.body, h, run_layers))
 
     def head(self, normed: mx.array) -> mx.array:
         """The LM head, which the MTP head shares."""

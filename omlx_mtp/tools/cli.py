@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json-schema", metavar="FILE", help="constrain the output to this JSON schema (xgrammar)")
     gen.add_argument("--grammar", metavar="FILE", help="constrain the output to this EBNF grammar (xgrammar)")
     gen.add_argument("--no-mtp", action="store_true", help="plain decoding")
+    gen.add_argument("--sharding", choices=["auto", "pipeline", "tensor"], default=None,
+                     help="under mlx.launch: how the target is split over the ranks (default: the model's choice)")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     _add_sampling(gen)
 
@@ -173,6 +175,7 @@ def cmd_generate(args) -> int:
         draft_tokens=args.draft_tokens,
         max_draft_tokens=args.max_draft_tokens,
         query_offset=QUERY_POSITIONS[args.query_position],
+        sharding=args.sharding,
     )
     if args.image:
         from .multimodal import image_request
@@ -184,10 +187,10 @@ def cmd_generate(args) -> int:
     if args.json_schema or args.grammar:
         request.params = dataclasses.replace(params, logits_processors=(_grammar(session, args),))
     outcome = session.run(request, mtp=not args.no_mtp, seed=args.seed)
-    result = outcome.as_dict(session.tokenizer)
+    result = {**outcome.as_dict(session.tokenizer), **session.placement()}
     if args.json:
-        print(json.dumps(result))
-    else:
+        print(json.dumps(result), flush=True)  # every rank prints its own line
+    elif result["rank"] == 0:
         print(result["text"])
         summary = f"[{result['generated_tokens']} tokens, {result['tokens_per_second']:.1f} tok/s"
         if result["mtp"]:

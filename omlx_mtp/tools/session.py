@@ -13,6 +13,7 @@ from mlx_lm.generate import generate_step
 from ..decode.requests import DecodeStats, Request, RowState
 from ..decode.loop import SpeculativeDecoder
 from ..decode.processors import RowProcessors
+from ..decode.ranks import RankGroup
 from ..targets import Target, wrap_target
 from ..decode.target import prefill_on_host
 from ..drafters import load_drafter, load_merged_drafter
@@ -69,26 +70,42 @@ class Session:
     """A loaded target (and optional drafter) that can run requests either way."""
 
     def __init__(self, target: Target, tokenizer=None, drafter=None, draft_tokens: int | str = 3,
-                 query_offset: int = 0, max_draft_tokens: int = 8):
+                 query_offset: int = 0, max_draft_tokens: int = 8, ranks: RankGroup | None = None):
+        """ranks: the ranks a sharded target is split over (None: one process)."""
         self.target = target
+        self.ranks = ranks
         self.model = target.plain_model()  # what mlx-lm's own decode loops call
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.decoder = SpeculativeDecoder(target, drafter, draft_tokens=draft_tokens, query_offset=query_offset,
-                                          max_draft_tokens=max_draft_tokens)
+                                          max_draft_tokens=max_draft_tokens, ranks=ranks)
 
     @classmethod
     def load(cls, model_dir: str | Path, drafter_dir: str | Path | None = None, merged: bool = True,
-             **kwargs) -> "Session":
-        """``merged``: without a drafter directory, use an assistant merged into the checkpoint."""
-        model, tokenizer, _ = load_target(model_dir)
+             sharding: str | None = None, **kwargs) -> "Session":
+        """``merged``: without a drafter directory, use an assistant merged into the checkpoint.
+        ``sharding``: "pipeline", "tensor" or "auto" (the default under ``mlx.launch`` with several
+        ranks): the target split over the ranks by mlx-lm's sharding, the drafter whole on each."""
+        group = mx.distributed.init()
+        ranks = None
+        if group.size() > 1:
+            sharding, ranks = sharding or "auto", RankGroup(group)
+        elif sharding is not None:
+            sharding = None  # one rank: nothing to split
+        model, tokenizer, _ = load_target(model_dir, sharding=sharding)
         target = wrap_target(model)
+        kwargs["ranks"] = ranks
         drafter = None
         if drafter_dir is not None:
             drafter = load_drafter(drafter_dir, target)
         elif merged:
             drafter = load_merged_drafter(model_dir, target)  # None when the checkpoint has no assistant
         return cls(target, tokenizer, drafter, **kwargs)
+
+    def placement(self) -> dict:
+        """Where this process sits: its rank, the group's size and the target's sharding."""
+        return {"rank": self.ranks.rank if self.ranks else 0, "ranks": self.ranks.size if self.ranks else 1,
+                "sharding": self.target.sharding}
 
     def stop_tokens(self) -> frozenset:
         if self.tokenizer is None:

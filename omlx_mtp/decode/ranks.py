@@ -1,0 +1,76 @@
+"""Keeping the ranks of a sharded target in step (``mx.distributed``: every rank runs the same loop
+over its share of the target, and every rank holds the same final hidden state and logits).
+
+Every rank's loop reaches the same decisions when its inputs are the same: the random state, the
+logits (identical after the pipeline's gather or tensor parallelism's all-sum) and what the depth
+controllers observe.  Only the last differs by nature — each rank reads its own clock — so rank 0's
+round time is the one every rank observes, and the controllers on every rank then choose the same
+depths.  One small collective per round carries it, together with a digest of what each rank
+decided (its rows, depths, accepted counts and tokens): a rank whose digest differs from rank 0's
+stops the run with an error instead of reaching a collective the others never join (a hang).
+
+A collective that does not return in ``timeout`` seconds (a rank died, or is stuck) ends the
+process with one clear error: the survivors of a lost rank exit instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import sys
+import threading
+
+import mlx.core as mx
+
+from ..errors import MTPError
+
+
+class RanksDisagree(MTPError):
+    """Ranks reached different decisions: their next collectives would not match."""
+
+
+class RankGroup:
+    def __init__(self, group=None, timeout: float = 60.0):
+        self.group = group if group is not None else mx.distributed.init()
+        self.rank, self.size = self.group.rank(), self.group.size()
+        self.timeout = timeout
+        self.rounds = 0  # collectives made by ``settle``
+
+    def _gather(self, values: mx.array) -> mx.array:
+        """all_gather on the CPU stream, under the watchdog: [size, *values.shape]."""
+        out = mx.distributed.all_gather(values[None], group=self.group, stream=mx.cpu)
+        done = threading.Event()
+        watchdog = threading.Thread(target=self._watch, args=(done,), daemon=True)
+        watchdog.start()
+        try:
+            mx.eval(out)
+        finally:
+            done.set()
+        return out
+
+    def _watch(self, done: threading.Event) -> None:
+        if not done.wait(self.timeout):
+            print(f"omlx-mtp: rank {self.rank} of {self.size}: a collective did not complete in {self.timeout:.0f} s "
+                  "(another rank died or stopped); exiting", file=sys.stderr, flush=True)
+            os._exit(3)
+
+    def agree_seed(self, seed: int) -> int:
+        """Rank 0's seed, for every rank's random state."""
+        return int(self._gather(mx.array([seed % (2**31)], dtype=mx.int32))[0, 0].item())
+
+    def settle(self, seconds: float | None, decided: list[int]) -> float | None:
+        """Check that every rank ``decided`` the same and return rank 0's round time (None: a round
+        whose time says nothing, e.g. one that traced a graph)."""
+        digest = hashlib.blake2b(repr(decided).encode(), digest_size=6).digest()
+        words = [int.from_bytes(digest[i : i + 2], "little") for i in range(0, 6, 2)]  # exact in float32
+        mine = mx.array([math.nan if seconds is None else seconds, *words], dtype=mx.float32)
+        rows = self._gather(mine).tolist()
+        self.rounds += 1
+        theirs = [r for r, row in enumerate(rows) if row[1:] != rows[0][1:]]
+        if theirs:
+            raise RanksDisagree(f"rank {self.rank}: ranks {theirs} decided otherwise than rank 0 in round "
+                                f"{self.rounds} (rows, depths, accepted drafts or tokens differ); stopping before "
+                                "their collectives diverge")
+        first = rows[0][0]
+        return None if math.isnan(first) else float(first)

@@ -31,14 +31,21 @@ class RanksDisagree(MTPError):
 
 
 class RankGroup:
-    def __init__(self, group=None, timeout: float = 60.0):
+    def __init__(self, group=None, timeout: float | None = None):
+        """timeout: seconds a collective may take (default ``OMLX_MTP_COLLECTIVE_TIMEOUT`` or 60)."""
         self.group = group if group is not None else mx.distributed.init()
         self.rank, self.size = self.group.rank(), self.group.size()
-        self.timeout = timeout
+        self.timeout = timeout if timeout is not None else float(os.environ.get("OMLX_MTP_COLLECTIVE_TIMEOUT", "60"))
         self.rounds = 0  # collectives made by ``settle``
 
     def _gather(self, values: mx.array) -> mx.array:
-        """all_gather on the CPU stream, under the watchdog: [size, *values.shape]."""
+        """all_gather on the CPU stream, under the watchdog: [size, *values.shape].  Work still
+        running on other streams (mlx-lm's generation stream pipelines its next step) is waited
+        for first: a ring carries one collective at a time, and two in flight would interleave."""
+        from mlx_lm.generate import generation_stream
+
+        mx.synchronize(generation_stream)
+        mx.synchronize()
         out = mx.distributed.all_gather(values[None], group=self.group, stream=mx.cpu)
         done = threading.Event()
         watchdog = threading.Thread(target=self._watch, args=(done,), daemon=True)

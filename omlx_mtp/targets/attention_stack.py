@@ -18,7 +18,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache
 
 from ..decode import cache as caches
-from .base import Target, stage_layers
+from .base import Target, stage_layers, whole_vocabulary
 
 
 class AttentionStackTarget(Target):
@@ -69,7 +69,7 @@ class AttentionStackTarget(Target):
     def head(self, hidden: mx.array) -> mx.array:
         if getattr(self.args, "tie_word_embeddings", False):
             return self.body.embed_tokens.as_linear(hidden)
-        return self.text.lm_head(hidden)
+        return whole_vocabulary(self.text, self.text.lm_head(hidden))
 
     def kv_source(self, cache: list, layer_type: str):
         raise TypeError(f"{self.family} targets serve built-in MTP layers, which keep their own K/V")

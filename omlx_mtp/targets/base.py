@@ -64,6 +64,17 @@ def sharding_of(model) -> str | None:
     return getattr(model, "omlx_mtp_sharding", None)
 
 
+def whole_vocabulary(text, logits: mx.array) -> mx.array:
+    """Logits over the whole vocabulary where tensor parallelism split the LM head across ranks
+    (mlx-lm 0.32's Qwen3.5 ``shard()`` does; the model then gathers its output, as this does)."""
+    group = getattr(text, "sharding_group", None)
+    if group is None:
+        return logits
+    from mlx_lm.models.base import gather_last_axis  # present wherever mlx-lm shards a head
+
+    return gather_last_axis(logits, group)
+
+
 def stage_layers(body) -> list:
     """The decoder layers this rank runs: all of them, or its pipeline stage's (mlx-lm's
     ``PipelineMixin`` keeps the others' places as None)."""

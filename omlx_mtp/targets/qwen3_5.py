@@ -23,7 +23,7 @@ from mlx_lm.models.base import create_attention_mask
 
 from ..decode.cache import SlotTable, PositionalKVCache
 from ..decode.linear_state import LinearStateCache
-from .base import Target, pipelined, stage_layers
+from .base import Target, pipelined, stage_layers, whole_vocabulary
 
 
 class HybridTarget(Target):
@@ -75,7 +75,7 @@ class HybridTarget(Target):
         """The LM head, which the MTP head shares."""
         if self.args.tie_word_embeddings:
             return self.body.embed_tokens.as_linear(normed)
-        return self.text.lm_head(normed)
+        return whole_vocabulary(self.text, self.text.lm_head(normed))
 
 
 class Qwen35Target(HybridTarget):

@@ -1,4 +1,4 @@
-"""omlx-mtp command line: generate, demo, bench, quantize, add-mtp, inspect, settings and patch."""
+"""omlx-mtp command line: generate, demo, bench, quantize, add-mtp, inspect, settings, patch and serve."""
 
 from __future__ import annotations
 
@@ -86,6 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("model_id")
     check = sett_sub.add_parser("validate", help="validate one YAML settings file")
     check.add_argument("file")
+
+    srv = sub.add_parser("serve", allow_abbrev=False,
+                         help="mlx-lm's HTTP server with MTP decoding (other mlx-lm server flags pass through)")
+    srv.add_argument("--model", required=True, help="model directory (or Hugging Face repo) to serve")
+    srv.add_argument("--settings", metavar="FILE",
+                     help="MTP settings YAML (oMLX's model settings keys; default: omlx-mtp.yaml in the model's directory)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8080)
 
     pat = sub.add_parser("patch", help="add the plugin hook call sites to oMLX (or remove them)")
     pat.add_argument("action", choices=["apply", "check", "revert"])
@@ -291,6 +299,12 @@ def yaml_dump(data: dict) -> str:
     return yaml.safe_dump(data, sort_keys=False)
 
 
+def cmd_serve(args) -> int:
+    from .serve import serve
+
+    return serve(args.model, args.settings, args.host, args.port, args.passed_on)
+
+
 def cmd_patch(args) -> int:
     from ..hosts.omlx.patcher import run
 
@@ -307,16 +321,27 @@ def cmd_inspect(args) -> int:
 
 
 COMMANDS = {"generate": cmd_generate, "demo": cmd_demo, "bench": cmd_bench, "quantize": cmd_quantize,
-            "add-mtp": cmd_add_mtp, "inspect": cmd_inspect, "settings": cmd_settings, "patch": cmd_patch}
+            "add-mtp": cmd_add_mtp, "inspect": cmd_inspect, "settings": cmd_settings, "patch": cmd_patch,
+            "serve": cmd_serve}
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, passed_on = parser.parse_known_args(argv)
+    if passed_on and args.command != "serve":  # only serve hands unknown flags on (to mlx-lm's server)
+        parser.error(f"unrecognized arguments: {' '.join(passed_on)}")
+    args.passed_on = passed_on
     try:
         return COMMANDS[args.command](args)
     except MTPError as exc:
         print(f"omlx-mtp: error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:
+        if not str(exc).startswith("[ring]"):
+            raise
+        # mx.distributed's ring lost a peer (a rank died or was stopped): one line, not a traceback
+        print(f"omlx-mtp: error: another rank was lost ({exc}); stopping", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import math
 import os
 import sys
 import threading
+import time
 
 import mlx.core as mx
 
@@ -37,6 +38,7 @@ class RankGroup:
         self.rank, self.size = self.group.rank(), self.group.size()
         self.timeout = timeout if timeout is not None else float(os.environ.get("OMLX_MTP_COLLECTIVE_TIMEOUT", "60"))
         self.rounds = 0  # collectives made by ``settle``
+        self.seconds = 0.0  # spent in them (the rank check's share of a round, for benchmarks)
 
     def _gather(self, values: mx.array) -> mx.array:
         """all_gather on the CPU stream, under the watchdog: [size, *values.shape].  Work still
@@ -72,7 +74,9 @@ class RankGroup:
         digest = hashlib.blake2b(repr(decided).encode(), digest_size=6).digest()
         words = [int.from_bytes(digest[i : i + 2], "little") for i in range(0, 6, 2)]  # exact in float32
         mine = mx.array([math.nan if seconds is None else seconds, *words], dtype=mx.float32)
+        started = time.perf_counter()
         rows = self._gather(mine).tolist()
+        self.seconds += time.perf_counter() - started
         self.rounds += 1
         theirs = [r for r, row in enumerate(rows) if row[1:] != rows[0][1:]]
         if theirs:

@@ -9,7 +9,9 @@ E[tokens per round] / (t_verify(K+1) / t_decode + K * t_draft / t_decode) and ac
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -132,10 +134,10 @@ def _decoders(session: Session, K, continuation: dict, scripted: dict) -> dict:
     """The drafting engines: name -> decoder (each kept for all repeats, so its compiled draft
     steps are reused as a server's are)."""
     kwargs = dict(draft_tokens=K, query_offset=session.decoder.query_offset,
-                  max_draft_tokens=session.decoder.max_draft_tokens)
+                  max_draft_tokens=session.decoder.max_draft_tokens, ranks=session.ranks)
     out = {"mtp": SpeculativeDecoder(session.target, session.drafter, **kwargs),
            "oracle": SpeculativeDecoder(session.target, OracleDrafter(continuation, session.target.vocab_size),
-                                        draft_tokens=K)}
+                                        draft_tokens=K, ranks=session.ranks)}
     for name, accuracy in scripted.items():
         out[name] = ScriptedAccuracyDecoder(session.target, session.drafter, continuation, accuracy, **kwargs)
     return out
@@ -368,8 +370,13 @@ def run_bench(model=None, drafter=None, draft_tokens=(1, 2, 3, 4), max_tokens=12
     with tempfile.TemporaryDirectory(prefix="omlx-mtp-bench-") as tmp:
         session, label, peer, peer_note = _bench_session(Path(tmp), model, drafter, synthetic, synthetic_layers,
                                                          dtype, target_bits, head_bits)
+        ranks = session.ranks
+        if ranks is not None and ranks.rank != 0:  # every rank runs the bench in step; rank 0 reports
+            sys.stdout = open(os.devnull, "w")
         print(f"omlx-mtp bench — {label}")
-        print(f"regime: {regime()}, dtype {session.target.dtype}")
+        if ranks is not None:
+            print(f"ranks: {ranks.size} ({session.target.sharding} sharding, mx.distributed)")
+        print(f"regime: {regime()}, dtype {session.target.dtype}{_scaled(synthetic, synthetic_layers)}")
         print(f"mlx-vlm MTP: {'mlx-vlm ' + peer.version if peer is not None else 'not run: ' + peer_note}")
         prompts = bench_prompts(session, prompt_tokens)
         results = benchmark(session, prompts, list(draft_tokens), max_tokens=max_tokens, repeats=repeats,
@@ -377,13 +384,29 @@ def run_bench(model=None, drafter=None, draft_tokens=(1, 2, 3, 4), max_tokens=12
         if compare_query_positions:
             fixed = [k for k in draft_tokens if k != "auto"] or [3]
             results += query_position_acceptance(session, prompts, max(fixed), max_tokens)
-    if json_out:
+        if ranks is not None and ranks.rounds:
+            each = ranks.seconds / ranks.rounds
+            plain = next((r["tokens_per_second"] for r in results if r.get("engine") == "plain"
+                          and r.get("tokens_per_second")), None)
+            versus = f" ({each * plain:.2f}x a plain step of {1e3 / plain:.2f} ms)" if plain else ""
+            print(f"rank check: {ranks.rounds} collectives, {1e3 * each:.2f} ms each{versus}")
+            results.append({"engine": "rank-check", "collectives": ranks.rounds, "seconds": ranks.seconds,
+                            "ranks": ranks.size, "sharding": session.target.sharding})
+    if json_out and (ranks is None or ranks.rank == 0):
         Path(json_out).write_text(json.dumps({"regime": regime(), "model": label, "results": results}, indent=2))
         print(f"wrote {json_out}")
     if plot:
         plot_speedups(results, plot, f"{label}\n{regime()}")
         print(f"wrote {plot}")
     return 0
+
+
+def _scaled(synthetic, layers) -> str:
+    """What a synthetic model scaled down from its release (layers, routed experts), for the regime line."""
+    from ..fixtures.synthetic import scale_note
+
+    note = scale_note(synthetic, layers) if synthetic else ""
+    return f", {note}" if note else ""
 
 
 def _bench_session(tmp: Path, model, drafter, synthetic, synthetic_layers, dtype, target_bits, head_bits):

@@ -364,12 +364,12 @@ def query_position_acceptance(session: Session, prompts, K: int, max_tokens: int
 def run_bench(model=None, drafter=None, draft_tokens=(1, 2, 3, 4), max_tokens=128, repeats=3,
               prompt_tokens=64, json_out=None, compare_query_positions=False, synthetic=None,
               synthetic_layers=2, dtype="bfloat16", temps=(0.0,), batches=(1,), plot=None, accuracies=(),
-              target_bits=None, head_bits=None) -> int:
+              target_bits=None, head_bits=None, sharding=None) -> int:
     if plot:
         _pyplot()  # refuse before a long run, not after it
     with tempfile.TemporaryDirectory(prefix="omlx-mtp-bench-") as tmp:
         session, label, peer, peer_note = _bench_session(Path(tmp), model, drafter, synthetic, synthetic_layers,
-                                                         dtype, target_bits, head_bits)
+                                                         dtype, target_bits, head_bits, sharding)
         ranks = session.ranks
         if ranks is not None and ranks.rank != 0:  # every rank runs the bench in step; rank 0 reports
             sys.stdout = open(os.devnull, "w")
@@ -409,7 +409,8 @@ def _scaled(synthetic, layers) -> str:
     return f", {note}" if note else ""
 
 
-def _bench_session(tmp: Path, model, drafter, synthetic, synthetic_layers, dtype, target_bits, head_bits):
+def _bench_session(tmp: Path, model, drafter, synthetic, synthetic_layers, dtype, target_bits, head_bits,
+                   sharding=None):
     """(session, label, loaded mlx-vlm peer or None, why the peer is not run)."""
     from ..fixtures.demo import demo_pair
     from .peer import peer_available, prepare_peer
@@ -428,7 +429,7 @@ def _bench_session(tmp: Path, model, drafter, synthetic, synthetic_layers, dtype
         model, drafter, label = demo_pair(tmp / "pair")
     else:
         label = f"{model} + {drafter}"
-    session = Session.load(model, drafter)
+    session = Session.load(model, drafter, sharding=sharding)
     if peer_note is None and not session.target.family.startswith("Gemma 4"):
         peer_note = f"the peer is run on Gemma 4 pairs only, not {session.target.family}"
     if peer_note is None:

@@ -121,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="dtype of a --synthetic model")
     bench.add_argument("--target-bits", type=int, help="quantize a --synthetic target (4 or 8, as users serve it)")
     bench.add_argument("--head-bits", type=int, help="quantize a --synthetic drafter's head")
+    bench.add_argument("--sharding", choices=["auto", "pipeline", "tensor"], default=None,
+                       help="under mlx.launch: how --model is split over the ranks (default: the model's choice)")
     bench.add_argument("--accuracy", default="",
                        help="also run the drafter with its drafts right at these rates (comma-separated, "
                             "e.g. 0.5,0.7,0.85; greedy): realistic acceptance where random weights accept nothing")
@@ -246,7 +248,7 @@ def cmd_bench(args) -> int:
         raise MTPError(f"--accuracy: expected comma-separated rates in [0, 1], got {args.accuracy!r}") from None
     return run_bench(args.model, args.drafter, depths, args.max_tokens, args.repeats, args.prompt_tokens,
                      args.json_out, args.compare_query_positions, args.synthetic, args.synthetic_layers, args.dtype,
-                     temps, batches, args.plot, accuracies, args.target_bits, args.head_bits)
+                     temps, batches, args.plot, accuracies, args.target_bits, args.head_bits, args.sharding)
 
 
 def cmd_quantize(args) -> int:

@@ -431,3 +431,14 @@ def test_fp8_release(tmp_path):
     with pytest.raises(MTPError, match="eh_proj.weight is FP8 .* does not dequantize it"):
         add_mtp(fp8, reference, force=True, progress=False)
     assert digests(reference) == before
+
+
+def test_qwen3_next(tmp_path):
+    next_fixtures = pytest.importorskip("omlx_mtp.fixtures.tiny_qwen_next",
+                                        reason="the Qwen3-Next fixture has not landed")
+    original = next_fixtures.write_qwen_next(tmp_path / "original", next_fixtures.TinyQwenNextSpec())
+    q8 = mlx_community_quant(original, tmp_path / "q8", bits=8)
+    assert add_mtp(original, q8, progress=False) < sum(f.stat().st_size for f in original.glob("*.safetensors")) / 2
+    assert json.loads((q8 / "config.json").read_text())["quantization"]["mtp.layers.0.mlp.gate"]["bits"] == 8
+    target, head = check_decodes_losslessly(q8, 512, count=2)
+    assert_drafts_like_original(original, target, head)

@@ -16,6 +16,16 @@ from omlx_mtp.fixtures.tiny import TinySpec, write_pair
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# OMLX_MTP_QUICK=1 (CI's second suite, oMLX 0.3.8's pins): the long per-family sweeps run one
+# depth and fewer layouts there; the first suite runs them whole.  Compatibility is what that
+# suite checks, and CI's time is bounded.
+QUICK = os.environ.get("OMLX_MTP_QUICK") == "1"
+
+
+def sweep(full: list, quick: list) -> list:
+    """The cases of a long sweep: all of them, or the quick suite's few."""
+    return quick if QUICK else full
+
 # 31B-like: every layer owns K/V, K-eq-V full layers, original config spelling, text-only type.
 SPEC_31B = TinySpec(layout="31b", model_type="gemma4_text", spelling="original", k_eq_v=True)
 # E2B-like: K/V-shared layers, per-layer inputs, centroid head, transformers' per_layer_config

@@ -33,6 +33,7 @@ from ..checkpoint.mtp_tensors import mtp_shard
 from ..decode import cache as caches
 from ..errors import CheckpointError
 from .quantized import load_into, quantization_under
+from .qwen3_5_mtp import _stacked_quantization
 
 FAMILY = "nextn"
 MODEL_TYPES = ("glm4_moe", "glm4_moe_lite", "deepseek_v3", "deepseek_v32")
@@ -133,9 +134,10 @@ def load_nextn_layer(model_dir: str | Path, target, chain: str = "normed") -> Ne
     layer = NextnLayer(target, own_embedding="embed_tokens.weight" in own, own_head="shared_head.head.weight" in own,
                        chain=chain)
     sanitized = {**own, **{"block." + name: value for name, value in target.sanitize_layer(block).items()}}
-    quantization = quantization_under(config, prefix)
+    # oQ writes the layer's experts one by one, each with its own override: the stacked module's
+    quantization = _stacked_quantization(quantization_under(config, prefix))
     if quantization:
-        quantization = {(k if k in ("group_size", "bits", "mode") or k.startswith(OWN) else "block." + k): v
+        quantization = {(k if k in ("group_size", "bits", "mode") or (k + ".").startswith(OWN) else "block." + k): v
                         for k, v in quantization.items()}
     return load_into(layer, sanitized, quantization,
                      f"{directory}: the MTP layer model.layers.{index} does not fit the trunk's config")

@@ -32,8 +32,7 @@ from ..checkpoint.files import files_holding, read_config, tensor_infos, tensors
 from ..checkpoint.mtp_tensors import mtp_shard
 from ..decode import cache as caches
 from ..errors import CheckpointError
-from .quantized import load_into, quantization_under
-from .qwen3_5_mtp import _stacked_quantization
+from .quantized import load_into, quantization_under, stacked_quantization
 
 FAMILY = "nextn"
 MODEL_TYPES = ("glm4_moe", "glm4_moe_lite", "deepseek_v3", "deepseek_v32")
@@ -135,7 +134,7 @@ def load_nextn_layer(model_dir: str | Path, target, chain: str = "normed") -> Ne
                        chain=chain)
     sanitized = {**own, **{"block." + name: value for name, value in target.sanitize_layer(block).items()}}
     # oQ writes the layer's experts one by one, each with its own override: the stacked module's
-    quantization = _stacked_quantization(quantization_under(config, prefix))
+    quantization = stacked_quantization(quantization_under(config, prefix))
     if quantization:
         quantization = {(k if k in ("group_size", "bits", "mode") or (k + ".").startswith(OWN) else "block." + k): v
                         for k, v in quantization.items()}

@@ -51,3 +51,21 @@ def load_into(drafter: nn.Module, weights: dict, quantization: dict | None, mism
     drafter.eval()
     mx.eval(drafter.parameters())
     return drafter
+
+
+def per_expert(name: str) -> tuple[str, int] | None:
+    """(the stacked name, the expert) of a per-expert tensor or module path, ``experts.{e}.*``."""
+    parts = name.split(".")
+    if "experts" in parts:
+        i = parts.index("experts")
+        if i + 2 < len(parts) and parts[i + 1].isdigit():
+            return ".".join(parts[:i] + ["switch_mlp"] + parts[i + 2 :]), int(parts[i + 1])
+    return None
+
+
+def stacked_quantization(quantization: dict | None) -> dict | None:
+    """Per-module overrides a quantizer wrote for per-expert tensors (``--mtp-bits``), under the
+    stacked module the head loads them into; the experts of one module are quantized alike."""
+    if not quantization:
+        return quantization
+    return {(per_expert(path) or (path,))[0]: value for path, value in quantization.items()}

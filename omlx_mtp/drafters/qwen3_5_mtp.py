@@ -31,7 +31,7 @@ from ..checkpoint.files import files_holding, read_config, tensors_under
 from ..decode import cache as caches
 from ..errors import CheckpointError
 from ..checkpoint.mtp_tensors import mtp_shard
-from .quantized import load_into, quantization_under
+from .quantized import load_into, per_expert, quantization_under, stacked_quantization
 
 FAMILY = "qwen3_5_mtp"
 MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
@@ -118,9 +118,10 @@ def load_built_in_head(model_dir: str | Path, target) -> Qwen35MTPHead:
     if not weights:
         raise CheckpointError(f"{where}: {promise} but no "
                               f"{'/'.join(p + '*' for p in PREFIXES)} tensors were found — the checkpoint was "
-                              "converted by a tool that drops them; requantize it with `omlx-mtp quantize`")
+                              "converted by a tool that drops them; add them back with `omlx-mtp add-mtp ORIGINAL DIR` "
+                              "or requantize with `omlx-mtp quantize`")
     head = Qwen35MTPHead(target.args, layers, getattr(target, "decoder_layer", qwen3_5.DecoderLayer))
-    return load_into(head, sanitize(weights, head), _stacked_quantization(quantization_under(config, prefix)),
+    return load_into(head, sanitize(weights, head), stacked_quantization(quantization_under(config, prefix)),
                      f"{where}: the MTP head's tensors do not fit the trunk's config")
 
 
@@ -131,7 +132,7 @@ def sanitize(weights: dict, head: Qwen35MTPHead) -> dict:
     for name, value in weights.items():
         if name.endswith("rotary_emb.inv_freq"):
             continue
-        if (expert := _per_expert(name)) is not None:
+        if (expert := per_expert(name)) is not None:
             key, index = expert
             experts.setdefault(key, {})[index] = value
             continue
@@ -150,24 +151,6 @@ def sanitize(weights: dict, head: Qwen35MTPHead) -> dict:
     for key, by_index in experts.items():
         out[key] = mx.stack([by_index[i] for i in sorted(by_index)])
     return out
-
-
-def _per_expert(name: str) -> tuple[str, int] | None:
-    """(the stacked name, the expert) of a per-expert tensor or module path, ``experts.{e}.*``."""
-    parts = name.split(".")
-    if "experts" in parts:
-        i = parts.index("experts")
-        if i + 2 < len(parts) and parts[i + 1].isdigit():
-            return ".".join(parts[:i] + ["switch_mlp"] + parts[i + 2 :]), int(parts[i + 1])
-    return None
-
-
-def _stacked_quantization(quantization: dict | None) -> dict | None:
-    """Per-module overrides a quantizer wrote for per-expert tensors (``--mtp-bits``), under the
-    stacked module the head loads them into; the experts of one module are quantized alike."""
-    if not quantization:
-        return quantization
-    return {(_per_expert(path) or (path,))[0]: value for path, value in quantization.items()}
 
 
 def _head_tensors(directory: Path, config: dict) -> tuple[dict, str]:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 from omlx_mtp.tools.cli import main
@@ -198,3 +199,114 @@ def test_bench_batch_sweep_and_plot(pair_31b, tmp_path):
     assert main(["bench", "--batch", "0"]) == 2
     assert main(["bench", "--accuracy", "1.5"]) == 2
     assert main(["bench", "--target-bits", "4"]) == 2  # only for --synthetic
+
+
+# -- the nextn families (GLM-4.x, DeepSeek-V3.x) and Qwen3-Next through the command line --------------
+NEW_FAMILIES = {
+    # GLM-4.6's bf16 layout: the MTP layer uses the trunk's embedding and head
+    "glm4_moe-shared": ("nextn", {"family": "glm4_moe", "own_embed_head": False}),
+    # DeepSeek-V3.2: its own embedding and head, the indexer's second cache per layer
+    "deepseek_v32": ("nextn", {"family": "deepseek_v32"}),
+    "qwen3_next": ("qwen3_next", {}),
+}
+
+
+@pytest.fixture(scope="module", params=list(NEW_FAMILIES))
+def new_family(request, tmp_path_factory):
+    kind, spec = NEW_FAMILIES[request.param]
+    directory = tmp_path_factory.mktemp(request.param)
+    if kind == "qwen3_next":
+        from omlx_mtp.fixtures.tiny_qwen_next import write_qwen_next
+
+        return request.param, write_qwen_next(directory)
+    pytest.importorskip("transformers")  # tiny_nextn builds its tensors with transformers' classes
+    from omlx_mtp.fixtures.tiny_nextn import TinyNextnSpec, write_nextn
+
+    return request.param, write_nextn(directory, TinyNextnSpec(**spec))
+
+
+def test_generate_json_on_the_new_families(new_family, capsys):
+    """The checkpoint's own MTP layer or head drafts (no --drafter): greedy output equals plain
+    decoding's, at a fixed depth and with auto; a seeded sampled run reproduces."""
+    _, directory = new_family
+    common = ["--model", str(directory), "--prompt", "Hello there", "--max-tokens", "12"]
+    plain = run_json(capsys, *common, "--no-mtp")
+    mtp = run_json(capsys, *common, "--draft-tokens", "3")
+    auto = run_json(capsys, *common, "--draft-tokens", "auto")
+    assert FIELDS <= set(mtp) and mtp["mtp"] is True and plain["mtp"] is False
+    assert mtp["tokens"] == plain["tokens"] == auto["tokens"] and mtp["generated_tokens"] == 12
+    assert mtp["drafted"] > 0 and mtp["rounds"] > 0
+    sampled = [run_json(capsys, *common, "--temp", "0.8", "--top-p", "0.9", "--seed", "5") for _ in range(2)]
+    assert sampled[0]["tokens"] == sampled[1]["tokens"] and sampled[0]["drafted"] > 0
+
+
+def test_inspect_reports_the_mtp_layer(new_family, capsys):
+    name, directory = new_family
+    assert main(["inspect", str(directory), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    drafter = report["drafter"]
+    assert report["problems"] == [] and drafter["built_in"] is True and report["mtp"]["count"] > 0
+    if name == "qwen3_next":
+        assert drafter["model_type"] == "qwen3_5_mtp" and drafter["layers"] == 1
+    else:
+        layers = json.loads((directory / "config.json").read_text())["num_hidden_layers"]
+        own = name != "glm4_moe-shared"
+        assert drafter["model_type"] == "nextn" and drafter["index"] == drafter["expected_index"] == layers
+        assert drafter["own_embedding"] is own and drafter["own_head"] is own
+    assert main(["inspect", str(directory)]) == 0
+    text = capsys.readouterr().out
+    assert "drafter: built-in MTP" in text and "problem:" not in text
+    if name != "qwen3_next":
+        assert f"at model.layers.{layers}, {'its own' if own else 'the trunk' + chr(39) + 's'} embedding" in text
+
+
+@pytest.mark.parametrize("counted", [True, False])
+def test_qwen3_next_without_its_head(tmp_path, capsys, counted):
+    """A Qwen3-Next quant that lost its head: inspect names the config entry that promises it (or the
+    family, which always has one) and add-mtp; generate refuses in one line, naming add-mtp."""
+    from omlx_mtp.fixtures.tiny_qwen_next import write_qwen_next
+
+    directory = write_qwen_next(tmp_path / "nohead", with_head=False)
+    if not counted:
+        config = json.loads((directory / "config.json").read_text())
+        del config["num_nextn_predict_layers"]
+        (directory / "config.json").write_text(json.dumps(config))
+    assert main(["inspect", str(directory)]) == 1
+    problem = capsys.readouterr().out.splitlines()[-1]
+    promise = "(num_nextn_predict_layers)" if counted else "a Qwen3-Next checkpoint carries"
+    assert problem.startswith("problem:") and promise in problem and "omlx-mtp add-mtp" in problem
+    assert "mtp_num_hidden_layers" not in problem
+    expect_error(capsys, ["generate", "--model", str(directory), "--prompt", "x", "--max-tokens", "2"],
+                 "no mtp.*", "omlx-mtp add-mtp ORIGINAL DIR")
+
+
+@pytest.mark.parametrize("name, note", [
+    ("glm4.5-air-shaped", "2 of 46 layers, 32 of 128 routed experts, MTP layer random"),
+    ("qwen3-next-shaped", "2 of 48 layers, 64 of 512 routed experts, MTP head random"),
+])
+def test_bench_new_synthetic_shapes(name, note, monkeypatch, tmp_path, capsys):
+    """The shapes at small widths (the real ones take gigabytes): every engine runs, the regime line
+    says what was scaled down, and GLM's routers are random (mlx-lm starts them at zero, which sends
+    every token to the same experts)."""
+    from omlx_mtp.fixtures import synthetic
+
+    shape = synthetic.SHAPES[name]
+    small = dict(shape["target"], hidden_size=128, vocab_size=600, intermediate_size=256, moe_intermediate_size=32)
+    monkeypatch.setitem(synthetic.SHAPES, name, {**shape, "target": small})
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--synthetic", name, "--dtype", "float32", "--draft-tokens", "2", "--repeats", "1",
+                 "--max-tokens", "6", "--prompt-tokens", "8", "--json", str(out)]) == 0
+    regime = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("regime:"))
+    assert regime.endswith(note)
+    results = json.loads(out.read_text())["results"]
+    assert sorted(e["engine"] for e in results) == ["mtp", "no-draft", "oracle", "plain"]
+    assert all(e["tokens_per_second"] > 0 for e in results)
+    assert next(e for e in results if e["engine"] == "mtp")["draft_ms"] > 0
+    target, drafter = synthetic.synthetic_pair(name, 2, "float32")
+    if name.startswith("glm"):
+        from mlx_lm.models import glm4_moe
+
+        gates = [m for tree in (target.model, drafter) for _, m in tree.named_modules()
+                 if isinstance(m, glm4_moe.MoEGate)]
+        assert len(gates) == 2 and all(float(mx.abs(g.weight).max()) > 0 for g in gates)
+    assert main(["bench", "--synthetic", name, "--head-bits", "8"]) == 2

@@ -81,8 +81,11 @@ def inspect_checkpoint(directory: str | Path) -> dict:
                              "layers": qwen3_5_mtp.head_layers(config), "hidden_size": text.get("hidden_size"),
                              "problems": []}
         if not any(n.startswith(qwen3_5_mtp.PREFIXES) for n in infos):
+            key = qwen3_5_mtp._layers_key(config)
+            promise = (f"config.json promises a built-in MTP head ({key})" if key in text
+                       else "a Qwen3-Next checkpoint carries a built-in MTP head")
             report["drafter"]["problems"].append(
-                "config.json promises a built-in MTP head (mtp_num_hidden_layers) but there are no mtp.* tensors")
+                f"{promise} but there are no mtp.* tensors (add them back with `omlx-mtp add-mtp`)")
         report["problems"] += report["drafter"]["problems"]
     elif nextn.has_nextn(config):
         report["drafter"] = _describe_nextn(config, infos, quantization)

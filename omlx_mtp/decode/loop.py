@@ -221,14 +221,17 @@ class SpeculativeDecoder:
         """A one-row cache cut back to ``length`` tokens, or grown by feeding ``pending`` [1]
         (the token that follows its committed ones) when ``length`` is one more."""
         have = caches.lengths_of(cache)[0]
+        fed = []
         if length == have + 1:
-            self.target.hidden(pending[:, None], cache)
+            fed.append(self.target.hidden(pending[:, None], cache))
             caches.advance(cache, 1)
         elif length <= have:
             caches.commit(cache, [length])
         else:
             raise ValueError(f"a cache of {have} tokens cannot reach {length}")
-        mx.eval([c.state for c in cache])
+        # The hidden state too: a pipeline stage sends its output on, and gathers the last one, only
+        # when that output is evaluated (its caches alone would leave the next stage waiting).
+        mx.eval(fed, [c.state for c in cache])
         return cache
 
     def prefill_slack(self, slack: int) -> int:

@@ -18,11 +18,14 @@ class MTPStrategy:
     stats: MTPCounters = field(default_factory=MTPCounters)  # outlives the host's generators
 
     @classmethod
-    def build(cls, model, drafter, settings: MTPSettings) -> "MTPStrategy":
+    def build(cls, model, drafter, settings: MTPSettings, target=None, ranks=None) -> "MTPStrategy":
+        """``target``: ``model`` already wrapped (else wrapped here); ``ranks``: a ``RankGroup`` for a
+        target sharded over ``mx.distributed`` (None: one process)."""
         offset = QUERY_AT_BONUS if settings.mtp_query_position == "bonus" else QUERY_AT_LAST
-        decoder = SpeculativeDecoder(wrap_target(model), drafter, draft_tokens=settings.mtp_draft_tokens,
-                                     query_offset=offset, max_draft_tokens=settings.mtp_max_draft_tokens,
-                                     min_acceptance=settings.mtp_min_acceptance)
+        decoder = SpeculativeDecoder(target if target is not None else wrap_target(model), drafter,
+                                     draft_tokens=settings.mtp_draft_tokens, query_offset=offset,
+                                     max_draft_tokens=settings.mtp_max_draft_tokens,
+                                     min_acceptance=settings.mtp_min_acceptance, ranks=ranks)
         return cls("omlx-mtp", decoder, settings)
 
     def describe(self) -> str:

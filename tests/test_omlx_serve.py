@@ -139,13 +139,14 @@ def test_mtp_equals_plain_streaming_and_not(server):
     assert all(" 0 of " not in line and "drafts accepted" in line for line in lines)
 
 
-def concurrent_requests_equal_plain(server, mtp_model: str, plain_model: str, contents: list) -> None:
+def concurrent_requests_equal_plain(server, mtp_model: str, plain_model: str, contents: list,
+                                    max_tokens: int = 160) -> None:
     """All of ``contents`` at once to the MTP model: each answer equals the plain model's, each ran MTP."""
     url, log_path = server
-    expected = [chat(url, plain_model, c)[0] for c in contents]
+    expected = [chat(url, plain_model, c, max_tokens=max_tokens)[0] for c in contents]
     before = len(mtp_lines(log_path))
     with ThreadPoolExecutor(len(contents)) as pool:
-        got = list(pool.map(lambda c: chat(url, mtp_model, c)[0], contents))
+        got = list(pool.map(lambda c: chat(url, mtp_model, c, max_tokens=max_tokens)[0], contents))
     assert got == expected
     assert len(mtp_lines(log_path)) - before == len(contents)
 

@@ -19,11 +19,18 @@ def base(tmp_path, monkeypatch):
     return tmp_path / "omlx" / "model_settings"
 
 
+PRESETS = {"gemma-4-31b-it", "gemma-4-26b-a4b-it", "gemma-4-e4b-it", "gemma-4-e2b-it", "Qwen3.5-27B", "Qwen3.5-35B-A3B",
+           "Qwen3.5-122B-A10B", "Qwen3.5-397B-A17B", "Qwen3.6-27B", "Qwen3.6-35B-A3B", "Qwen3-Next-80B-A3B",
+           "GLM-4.5-Air", "GLM-4.6", "GLM-4.7", "GLM-4.7-Flash", "DeepSeek-V3.1", "DeepSeek-V3.2"}
+
+
 def test_presets_are_valid():
     presets = sorted(PRESET_DIR.glob("*.yaml"))
-    assert {p.stem for p in presets} >= {"gemma-4-31b-it", "gemma-4-26b-a4b-it", "gemma-4-e4b-it", "gemma-4-e2b-it"}
+    assert {p.stem for p in presets} >= PRESETS
     for preset in presets:
-        load_file(preset)
+        # MTP is turned on by the user's file, never by a preset; the first line names the release
+        assert load_file(preset)["mtp_enabled"] is False
+        assert preset.read_text().startswith("# omlx-mtp preset for "), preset.name
 
 
 def test_user_file_overrides_preset(base):

@@ -82,7 +82,9 @@ def _checkpoints(tmp_path_factory):
     try:
         from omlx_mtp.fixtures.tiny_nextn import TinyNextnSpec, write_nextn
 
-        out["glm4_moe"] = write_nextn(tmp_path_factory.mktemp("dist-glm"), TinyNextnSpec(own_embed_head=False))
+        # Four layers: mlx-lm 0.31.3's pipeline drops a layer of an odd count split over two ranks
+        out["glm4_moe"] = write_nextn(tmp_path_factory.mktemp("dist-glm"), TinyNextnSpec(own_embed_head=False,
+                                                                                         num_layers=4))
     except ImportError:  # transformers / torch absent: the GLM fixture can't be written
         pass
     return out
@@ -103,6 +105,8 @@ def test_pipeline_mtp_equals_one_process_plain(checkpoints, batch, family):
     if family not in checkpoints:
         pytest.skip("the GLM fixture needs transformers and torch")
     model, _, _ = load_target(checkpoints[family], with_tokenizer=False)
+    if not hasattr(model.model, "pipeline"):
+        pytest.skip(f"this mlx-lm has no pipeline sharding for {family}")
     expected = [run_plain(model, Request(p, max_tokens=MAX_TOKENS)).row.generated for p in batch]
     by_rank = results(launch(checkpoints[family], "--sharding", "pipeline", "--prompts", json.dumps(batch),
                              "--max-tokens", str(MAX_TOKENS), "--scenarios", "K1,K3,auto,join"))
@@ -130,7 +134,7 @@ def test_tensor_parallel_mtp_equals_tensor_parallel_plain(checkpoints, batch):
 
 @pytest.mark.skipif(QUICK, reason="the mutation test below samples in the quick suite (OMLX_MTP_QUICK)")
 def test_sampled_tokens_agree_on_every_rank(checkpoints, batch):
-    by_rank = results(launch(checkpoints["qwen3_5"], "--sharding", "pipeline", "--prompts", json.dumps(batch),
+    by_rank = results(launch(checkpoints["qwen3_5"], "--sharding", "auto", "--prompts", json.dumps(batch),
                              "--max-tokens", str(MAX_TOKENS), "--scenarios", "sampled"))
     assert by_rank[0]["results"]["sampled"] == by_rank[1]["results"]["sampled"]
     assert len({tuple(t) for t in by_rank[0]["results"]["sampled"]}) > 1
@@ -139,14 +143,14 @@ def test_sampled_tokens_agree_on_every_rank(checkpoints, batch):
 def test_ranks_sampling_on_their_own_are_caught(checkpoints, batch, tmp_path):
     """The mutation the rank check exists for: each rank draws from a seed of its own.  Every rank
     stops with the error (no hang at the next collective)."""
-    ranks = spawn_ranks(checkpoints["qwen3_5"], "--sharding", "pipeline", "--prompts", json.dumps(batch),
+    ranks = spawn_ranks(checkpoints["qwen3_5"], "--sharding", "auto", "--prompts", json.dumps(batch),
                         "--max-tokens", str(MAX_TOKENS), "--scenarios", "sampled", "--own-seed", tmp_path=tmp_path)
     for code, _, _, stderr in ranks:
         assert code != 0 and "decided otherwise than rank 0" in stderr, stderr[-2000:]
 
 
 def test_a_killed_rank_ends_the_others(checkpoints, batch, tmp_path):
-    ranks = spawn_ranks(checkpoints["qwen3_5"], "--sharding", "pipeline", "--prompts", json.dumps(batch),
+    ranks = spawn_ranks(checkpoints["qwen3_5"], "--sharding", "auto", "--prompts", json.dumps(batch),
                         "--max-tokens", str(MAX_TOKENS), "--scenarios", "K3", "--die-after", "3",
                         env={"OMLX_MTP_COLLECTIVE_TIMEOUT": "20"}, tmp_path=tmp_path)
     (survivor, seconds, stdout, stderr), (killed, *_) = ranks

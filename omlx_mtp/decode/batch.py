@@ -162,7 +162,14 @@ class LiveBatch:
         return row.controller.choose() if row.controller is not None else self.max_depth
 
     def round(self) -> list[list[int]]:
-        """One round for every row; returns the tokens each row emitted (in ``self.rows`` order)."""
+        """One round for every row; returns the tokens each row emitted (in ``self.rows`` order).
+        With a sharded target the round is watched: a rank lost meanwhile ends this one."""
+        if self.ranks is None:
+            return self._round()
+        with self.ranks.watch():
+            return self._round()
+
+    def _round(self) -> list[list[int]]:
         rows = self.rows
         wanted = self._depths(rows)
         remaining = max(row.request.max_tokens - len(row.generated) for row in rows)

@@ -21,6 +21,7 @@ import os
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
 import mlx.core as mx
 
@@ -39,30 +40,47 @@ class RankGroup:
         self.timeout = timeout if timeout is not None else float(os.environ.get("OMLX_MTP_COLLECTIVE_TIMEOUT", "60"))
         self.rounds = 0  # collectives made by ``settle``
         self.seconds = 0.0  # spent in them (the rank check's share of a round, for benchmarks)
+        self._since = None  # when the work being watched began (None: none is)
+        self._monitor = None
 
     def _gather(self, values: mx.array) -> mx.array:
-        """all_gather on the CPU stream, under the watchdog: [size, *values.shape].  Work still
-        running on other streams (mlx-lm's generation stream pipelines its next step) is waited
-        for first: a ring carries one collective at a time, and two in flight would interleave."""
+        """all_gather on the CPU stream: [size, *values.shape].  Work still running on other
+        streams (mlx-lm's generation stream pipelines its next step) is waited for first: a ring
+        carries one collective at a time, and two in flight would interleave."""
         from mlx_lm.generate import generation_stream
 
-        mx.synchronize(generation_stream)
-        mx.synchronize()
-        out = mx.distributed.all_gather(values[None], group=self.group, stream=mx.cpu)
-        done = threading.Event()
-        watchdog = threading.Thread(target=self._watch, args=(done,), daemon=True)
-        watchdog.start()
-        try:
+        with self.watch():
+            mx.synchronize(generation_stream)
+            mx.synchronize()
+            out = mx.distributed.all_gather(values[None], group=self.group, stream=mx.cpu)
             mx.eval(out)
-        finally:
-            done.set()
         return out
 
-    def _watch(self, done: threading.Event) -> None:
-        if not done.wait(self.timeout):
-            print(f"omlx-mtp: rank {self.rank} of {self.size}: a collective did not complete in {self.timeout:.0f} s "
-                  "(another rank died or stopped); exiting", file=sys.stderr, flush=True)
-            os._exit(3)
+    @contextmanager
+    def watch(self):
+        """Work that must finish within ``timeout`` (a round: its forwards' collectives too).  A
+        rank that waits longer on another (dead or stuck) ends its process with one error line:
+        some backends report a lost peer, others wait for it forever."""
+        outermost = self._since is None
+        if outermost:
+            self._since = time.monotonic()
+        if self._monitor is None:
+            self._monitor = threading.Thread(target=self._watch, daemon=True)
+            self._monitor.start()
+        try:
+            yield
+        finally:
+            if outermost:
+                self._since = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.timeout / 4))
+            since = self._since
+            if since is not None and time.monotonic() - since > self.timeout:
+                print(f"omlx-mtp: error: rank {self.rank} of {self.size}: a round did not complete in "
+                      f"{self.timeout:.0f} s (another rank died or stopped); exiting", file=sys.stderr, flush=True)
+                os._exit(3)
 
     def agree_seed(self, seed: int) -> int:
         """Rank 0's seed, for every rank's random state."""

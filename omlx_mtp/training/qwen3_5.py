@@ -29,6 +29,14 @@ SPEC = TinyQwenSpec(vocab_size=1024, hidden_size=128, num_layers=4, num_heads=4,
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
+def teacher_kl(teacher_logits: mx.array, student_logits: mx.array) -> mx.array:
+    """Mean KL(teacher || student) over positions: a drafter is accepted as often as its
+    distribution matches the trunk's own, so it learns that distribution, not the corpus's."""
+    p = mx.softmax(teacher_logits.astype(mx.float32), axis=-1)
+    student = nn.log_softmax(student_logits.astype(mx.float32), axis=-1)
+    return mx.mean(mx.sum(p * (mx.log(p + 1e-9) - student), axis=-1))
+
+
 def head_loss(head: Qwen35MTPHead, model: qwen3_5.Model, data: mx.array) -> mx.array:
     text = model.language_model
     hidden = mx.stop_gradient(text.model(data))  # [B, L, H], final-normed
@@ -37,25 +45,55 @@ def head_loss(head: Qwen35MTPHead, model: qwen3_5.Model, data: mx.array) -> mx.a
     x = head.fc(mx.concatenate([embedded, head.pre_fc_norm_hidden(hidden[:, :-1])], axis=-1))
     for layer in head.layers:
         x = layer(x, mask="causal", cache=None)
-    student = nn.log_softmax(text.lm_head(head.norm(x)), axis=-1)
-    p = mx.softmax(teacher, axis=-1)
-    return mx.mean(mx.sum(p * (mx.log(p + 1e-9) - student), axis=-1))
+    return teacher_kl(teacher, text.lm_head(head.norm(x)))
+
+
+def train_module(module: nn.Module, loss_fn, tokens: np.ndarray, steps: int, batch: int, seq_len: int, lr: float,
+                 name: str = "head", seed: int = 1, compiled: bool = False, after_step=None, log=print) -> None:
+    """AdamW (cosine decay, clipped gradients) on ``loss_fn(module, data)`` over random corpus
+    windows; frozen parameters stay as they are.  ``after_step(i, data)`` runs outside the
+    gradient (GLM's expert balancing)."""
+    optimizer = optim.AdamW(learning_rate=optim.cosine_decay(lr, steps, lr / 10), weight_decay=0.01)
+    state = [module.state, optimizer.state]
+
+    def step(data):
+        loss, grads = nn.value_and_grad(module, loss_fn)(module, data)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        optimizer.update(module, grads)
+        return loss
+
+    if compiled:
+        step = mx.compile(step, inputs=state, outputs=state)
+    rng = np.random.default_rng(seed)
+    start = time.perf_counter()
+    for i, data in zip(range(steps), batches(tokens, batch, seq_len, rng)):
+        loss = step(data)
+        mx.eval(state, loss)
+        if after_step is not None:
+            after_step(i, data)
+        if i % 50 == 0 or i == steps - 1:
+            log(f"{name} step {i:5d}  loss {loss.item():.3f}  {time.perf_counter() - start:6.0f}s")
 
 
 def train_head(head: Qwen35MTPHead, model: qwen3_5.Model, tokens: np.ndarray, steps: int, batch: int,
                seq_len: int, lr: float, log=print) -> None:
-    optimizer = optim.AdamW(learning_rate=optim.cosine_decay(lr, steps, lr / 10), weight_decay=0.01)
     model.freeze()
-    loss_and_grad = nn.value_and_grad(head, lambda h, data: head_loss(h, model, data))
-    rng = np.random.default_rng(1)
-    start = time.perf_counter()
-    for i, data in zip(range(steps), batches(tokens, batch, seq_len, rng)):
-        loss, grads = loss_and_grad(head, data)
-        grads, _ = optim.clip_grad_norm(grads, 1.0)
-        optimizer.update(head, grads)
-        mx.eval(head.parameters(), optimizer.state)
-        if i % 50 == 0 or i == steps - 1:
-            log(f"head step {i:5d}  KL {loss.item():.3f}  {time.perf_counter() - start:6.0f}s")
+    train_module(head, lambda h, data: head_loss(h, model, data), tokens, steps, batch, seq_len, lr,
+                 name="head (KL)", log=log)
+
+
+def corpus_tokens(tokenizer, corpus_bytes: int, log=print) -> np.ndarray:
+    """The demo corpus (standard library sources) through the demo tokenizer."""
+    corpus = stdlib_corpus(corpus_bytes)
+    tokens = np.array(tokenizer.encode(corpus), dtype=np.int32)
+    log(f"corpus: {len(corpus) / 1e6:.1f} MB of Python standard library sources, {len(tokens):,} tokens")
+    return tokens
+
+
+def copy_tokenizer(tokenizer_dir: Path, out: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (Path(tokenizer_dir) / name).exists():
+            shutil.copy(Path(tokenizer_dir) / name, Path(out) / name)
 
 
 def build_qwen_pair(out: Path, tokenizer_dir: Path, target_steps: int, head_steps: int, batch: int = 16,
@@ -66,9 +104,7 @@ def build_qwen_pair(out: Path, tokenizer_dir: Path, target_steps: int, head_step
     out = Path(out)
     tokenizer = load_tokenizer(Path(tokenizer_dir))
     spec = replace(SPEC, vocab_size=len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else SPEC.vocab_size)
-    corpus = stdlib_corpus(corpus_bytes)
-    tokens = np.array(tokenizer.encode(corpus), dtype=np.int32)
-    log(f"corpus: {len(corpus) / 1e6:.1f} MB of Python standard library sources, {len(tokens):,} tokens")
+    tokens = corpus_tokens(tokenizer, corpus_bytes, log)
     config = published_config(spec)
     model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict(config))
     init_small(model, seed=0)
@@ -82,7 +118,5 @@ def build_qwen_pair(out: Path, tokenizer_dir: Path, target_steps: int, head_step
     mx.save_safetensors(str(out / "model.safetensors"), tensors, metadata={"format": "pt"})
     config["text_config"].update(eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    for name in TOKENIZER_FILES:
-        if (Path(tokenizer_dir) / name).exists():
-            shutil.copy(Path(tokenizer_dir) / name, out / name)
+    copy_tokenizer(tokenizer_dir, out)
     return out

@@ -117,13 +117,19 @@ def test_mtp_sampling_matches_exact_distribution(small, params, drafter_kind):
         assert accepted > 0
     else:
         assert drafted == 0
+    assert_samples_follow(samples, joint)
+
+
+def assert_samples_follow(samples: np.ndarray, joint: np.ndarray) -> None:
+    """Chi-square tests of sampled rows [N, STEPS] against the exact joint: each position's
+    marginal, and the pair of tokens 1 and 2 (both decided inside the same round)."""
     axes = tuple(range(STEPS))
     for position in range(STEPS):
         marginal = joint.sum(axis=tuple(a for a in axes if a != position))
         counts = np.bincount(samples[:, position], minlength=VOCAB)
         p_value = chi_square_p_value(counts, marginal)
-        assert p_value > 1e-3, (position, p_value, counts, np.round(marginal * ROWS))
-    pair = joint.sum(axis=(0, 3))  # tokens 1 and 2, both decided inside the same round
+        assert p_value > 1e-3, (position, p_value, counts, np.round(marginal * len(samples)))
+    pair = joint.sum(axis=(0, 3))
     counts = np.bincount(samples[:, 1] * VOCAB + samples[:, 2], minlength=VOCAB * VOCAB)
     assert chi_square_p_value(counts, pair) > 1e-3
 

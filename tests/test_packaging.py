@@ -27,7 +27,7 @@ def test_every_subpackage_is_listed():
 def test_embedded_checkpoints_are_package_data():
     globs = _setuptools()["package-data"]["omlx_mtp.fixtures"]
     fixtures = ROOT / "omlx_mtp" / "fixtures"
-    for directory in ("demo_pair/target", "demo_pair/assistant", "demo_qwen"):
+    for directory in ("demo_pair/target", "demo_pair/assistant", "demo_qwen", "demo_glm"):
         files = [p for p in (fixtures / directory).iterdir() if p.is_file()]
         assert files and all(any(p.relative_to(fixtures).match(g) for g in globs) for p in files), directory
 

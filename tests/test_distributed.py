@@ -158,3 +158,14 @@ def test_a_killed_rank_ends_the_others(checkpoints, batch, tmp_path):
     assert survivor != 0 and not stdout.strip(), stderr[-2000:]  # it stopped without finishing
     assert seconds < 90, seconds  # start-up and the rounds before the kill included; 60 s past the kill at most
     assert "peer" in stderr or "did not complete" in stderr, stderr[-2000:]
+
+
+def test_gemma4_targets_are_refused_for_sharding(pair_31b):
+    """mlx-lm has neither pipeline nor tensor sharding for Gemma 4: refused, saying so (they still
+    run on one machine: every other test of theirs)."""
+    from omlx_mtp.checkpoint.sharded import shard_model
+    from omlx_mtp.errors import CheckpointError
+
+    for sharding in ("auto", "pipeline", "tensor"):
+        with pytest.raises(CheckpointError, match="Gemma 4 targets run on one machine"):
+            shard_model(pair_31b.model, sharding, "gemma")

@@ -102,6 +102,26 @@ def chat(url: str, content: str, stream: bool = False) -> str:
     return text
 
 
+def disconnect_mid_stream(url: str, content: str) -> None:
+    """Start a long streamed answer, read its first events, and hang up."""
+    import http.client
+    from urllib.parse import urlparse
+
+    address = urlparse(url)
+    connection = http.client.HTTPConnection(address.hostname, address.port, timeout=60)
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 400, "temperature": 0, "stream": True}
+    connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    reply = connection.getresponse()
+    assert reply.status == 200
+    events = 0
+    while events < 3:
+        line = reply.fp.readline()
+        assert line, "the stream ended before the client hung up"
+        events += line.startswith(b"data: ")
+    reply.close()  # gone, mid-answer: the socket is closed under the server's writes
+    connection.close()
+
+
 def complete(url: str, prompt: str) -> str:
     body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
     return json.loads(_post(url, "/v1/completions", body))["choices"][0]["text"]
@@ -225,11 +245,14 @@ def test_two_ranks_under_mlx_launch_equal_one_process(checkpoints, expected, tmp
         deadline = time.monotonic() + 20  # mlx.launch forwards each rank's output as it comes
         while len(request_lines(log)) < 2 * (len(PROMPTS) + 1) and time.monotonic() < deadline:
             time.sleep(0.2)
-        text = log.read_text()
+        text, lines = log.read_text(), request_lines(log)
+        # A client that goes away mid-stream: the ranks stay in step and the next request is right.
+        disconnect_mid_stream(url, PROMPTS[0])
+        after = chat(url, PROMPTS[2])
+    assert after == expected[False][2]
     assert got == expected[False]
     assert streamed == expected[True][1]
     assert text.count(f"2 ranks ({sharding})") == 2, text[-4000:]  # each rank's decoder holds the RankGroup
-    lines = request_lines(log)
     assert len(lines) == 2 * (len(PROMPTS) + 1), lines  # both ranks ran every request
     assert all(int(accepted) > 0 for *_, accepted, _ in lines)
 

@@ -194,6 +194,11 @@ def test_mlx_lm_and_transformers_agree_on_the_trunk(family, tmp_path):
     import torch
     import transformers
 
+    import mlx_lm
+
+    if family == "deepseek_v32" and tuple(int(v) for v in mlx_lm.__version__.split(".")[:2]) < (0, 32):
+        pytest.skip("mlx-lm 0.31's V3.2 indexer picks other keys than transformers' past index_topk "
+                    "(the fixture's 32); mlx-lm 0.32 agrees")
     spec = TinyNextnSpec(family=family, own_embed_head=False)
     directory = write_nextn(tmp_path, spec)
     model = load_trunk(directory, json.loads((directory / "config.json").read_text()))

@@ -19,19 +19,16 @@ from omlx_mtp.drafters import load_merged_drafter
 from omlx_mtp.drafters.nextn import NextnLayer
 from omlx_mtp.drafters.oracle import OracleDrafter
 from omlx_mtp.errors import CheckpointError
-from omlx_mtp.hosts.batch_generator import MTPBatchGenerator
 from omlx_mtp.targets import wrap_target
 from omlx_mtp.tools.session import run_plain
 
 from .conftest import prompts, sweep
-from .test_batch_generator import fresh, plain_generator, run
-from .test_qwen3_5 import draft_from_scratch
+from . import test_qwen3_5 as qwen_suite
 from .test_sampling_lossless import CASES, PROMPT, STEPS, VOCAB, assert_samples_follow, exact_joint
 
 pytest.importorskip("transformers")
 pytest.importorskip("torch")
 tiny_nextn = importlib.import_module("omlx_mtp.fixtures.tiny_nextn")
-mlx_generate = importlib.import_module("mlx_lm.generate")
 MAX_TOKENS = 150
 
 # Each family as published; GLM-4.6's bf16 release has no own embedding/head, and configs come in
@@ -100,35 +97,14 @@ def test_oracle_with_errors_rolls_back_every_round(nextn, K):
     assert 0.3 < rate < 0.95  # partial acceptance in most rounds: rows keep different n
 
 
-def test_layer_reads_exactly_the_committed_pairs(nextn):
-    """Every first draft equals the layer run from scratch over the true (hidden, next token) pairs
-    of everything committed: its own K/V holds the verified pairs, never a draft's."""
-    head, target = nextn.head, nextn.target
-    seen = []
-    original = head.step
+# The Qwen heads' tests of what their own cache holds, run on each nextn layout: they read only what
+# every Checkpoint has (target, head, references).
+test_layer_reads_exactly_the_committed_pairs = qwen_suite.test_head_reads_exactly_the_committed_pairs
 
-    def recording(target_, token, h, cache):
-        from omlx_mtp.decode import cache as caches
 
-        logits, out = original(target_, token, h, cache)
-        seen.append((list(caches.lengths_of(cache)), token[:, 0].tolist(), mx.argmax(logits, axis=-1).tolist()))
-        return logits, out
-
-    head.step = recording
-    try:
-        batch = list(nextn.references)[:3]
-        rows = SpeculativeDecoder(target, head, draft_tokens=1).generate([Request(list(p), max_tokens=30) for p in batch])
-    finally:
-        del head.step
-    checked = 0
-    for lengths, tokens, drafts in seen[::4]:
-        for r, (N, token, draft) in enumerate(zip(lengths, tokens, drafts)):
-            sequence = list(batch[r]) + rows[r].generated
-            if N >= len(sequence) or sequence[N] != token:
-                continue  # a finished row's slot
-            assert draft == draft_from_scratch(target, head, sequence[: N + 1])
-            checked += 1
-    assert checked >= 10
+@pytest.fixture
+def qwen(nextn):
+    return nextn
 
 
 def test_rows_joining_late_through_the_host_api(nextn):
@@ -139,15 +115,7 @@ def test_rows_joining_late_through_the_host_api(nextn):
         # mlx 0.31.2's CPU scatter (ContiguousIterator::seek dividing by a zero extent); the same
         # prefill run alone passes, and the test passes with mlx 0.32.
         pytest.skip("mlx 0.31.2's CPU scatter crashes (SIGFPE) in this test for layers sharing the trunk's head")
-    requests = [{"prompt": list(p), "max_tokens": 60} for p in list(nextn.references)[:5]]
-    plain = run(plain_generator(nextn.model), nextn.model, fresh(requests))
-    decoder = SpeculativeDecoder(nextn.target, nextn.head, draft_tokens=3)
-    generator = MTPBatchGenerator(decoder, mlx_generate.BatchGenerator, model=nextn.model, max_tokens=60)
-    ours = run(generator, nextn.model, fresh(requests), insert_at={2: 3, 3: 3, 4: 7})
-    for (tokens, reason, cache), (ref_tokens, ref_reason, ref_cache) in zip(ours, plain):
-        assert tokens == ref_tokens and reason == ref_reason
-        assert [type(c).__name__ for c in cache] == [type(c).__name__ for c in ref_cache]
-    assert generator.totals.drafted > 0
+    qwen_suite.test_rows_joining_late_through_the_host_api(nextn)
 
 
 def test_trunk_loads_at_any_depth(tmp_path):

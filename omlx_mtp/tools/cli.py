@@ -115,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch", default="1", help="comma-separated batch sizes (requests decoding together)")
     bench.add_argument("--plot", help="write a PNG of speedup against draft tokens (needs matplotlib)")
     bench.add_argument("--synthetic", help="an in-memory model at real widths, random weights: gemma4-31b-shaped, "
-                       "gemma4-26b-a4b-shaped (MoE) or qwen3.5-27b-shaped")
+                       "gemma4-26b-a4b-shaped (MoE), qwen3.5-27b-shaped, glm4.5-air-shaped or qwen3-next-shaped "
+                       "(MoE, fewer experts)")
     bench.add_argument("--synthetic-layers", type=int, default=2)
     bench.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
                        help="dtype of a --synthetic model")

@@ -148,13 +148,37 @@ def test_rows_joining_late_through_the_host_api(qwen):
     decoder = SpeculativeDecoder(pair.target, qwen.head, draft_tokens=3)
     generator = MTPBatchGenerator(decoder, mlx_generate.BatchGenerator, model=qwen.model, max_tokens=60)
     ours = run(generator, qwen.model, fresh(requests), insert_at={2: 3, 3: 3, 4: 7})
+    assert_same_as_plain(ours, plain)
+    assert generator.totals.drafted > 0
+
+
+def assert_same_as_plain(ours, plain):
+    """Tokens, finish reasons and the caches handed back equal mlx-lm's own generator's (the
+    linear states plain decoding left, to float tolerance)."""
     for (tokens, reason, cache), (ref_tokens, ref_reason, ref_cache) in zip(ours, plain):
         assert tokens == ref_tokens and reason == ref_reason
         assert [type(c).__name__ for c in cache] == [type(c).__name__ for c in ref_cache]
         for mine, theirs in zip(cache, ref_cache):
-            if type(mine).__name__ == "ArraysCache":  # the linear state plain decoding left
+            if type(mine).__name__ == "ArraysCache":
                 assert all(mx.allclose(a, b, atol=1e-5).item() for a, b in zip(mine.cache, theirs.cache))
-    assert generator.totals.drafted > 0
+
+
+def test_rows_ending_inside_a_plain_stretch(qwen, monkeypatch):
+    """A plain stretch steps every row of the batch; a row whose request ends inside it (its
+    max_tokens, a stop token) is taken back to its own length — linear-attention states included —
+    and hands back the cache plain decoding leaves (it raised before: a state could only be cut
+    back within its last forward)."""
+    from omlx_mtp.decode.batch import LiveBatch
+
+    monkeypatch.setattr(LiveBatch, "_depths", lambda self, rows: [0] * len(rows))  # plain stretches only
+    batch = list(qwen.references)[:3]
+    requests = [{"prompt": list(p), "max_tokens": m} for p, m in zip(batch, (13, 37, 60))]
+    requests[2]["stops"] = [[qwen.references[batch[2]][21]]]  # a stop token in the middle of a stretch
+    plain = run(plain_generator(qwen.model), qwen.model, fresh(requests))
+    assert len(plain[2][0]) < 60  # the stop ended it
+    decoder = SpeculativeDecoder(qwen.target, qwen.head, draft_tokens=3)
+    generator = MTPBatchGenerator(decoder, mlx_generate.BatchGenerator, model=qwen.model, max_tokens=60)
+    assert_same_as_plain(run(generator, qwen.model, fresh(requests)), plain)
 
 
 def test_far_past_a_prefill_chunk_with_a_small_prefill_step(qwen):

@@ -28,6 +28,7 @@ from .test_qwen3_5 import (  # noqa: F401  (collected here, over this module's `
     test_far_past_a_prefill_chunk_with_a_small_prefill_step,
     test_head_reads_exactly_the_committed_pairs,
     test_oracle_with_errors_rolls_back_every_round,
+    test_rows_ending_inside_a_plain_stretch,
     test_rows_joining_late_through_the_host_api,
     test_skipping_the_linear_state_rollback_breaks_losslessness,
 )

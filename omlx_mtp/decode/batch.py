@@ -209,6 +209,7 @@ class LiveBatch:
         rows, decoder = self.rows, self.decoder
         started, traces = time.perf_counter(), decoder.traces_made
         steps, fed, bonus, hidden = [], [], self.bonus, self.hidden
+        caches.hold(self.cache)  # a row whose request ends mid-stretch is taken back below
         while True:
             fed.append((bonus[:, None], hidden))  # (token, hidden state before it), for a drafter's own cache
             logits, hidden = decoder.target.forward(bonus[:, None], self.cache)
@@ -235,6 +236,10 @@ class LiveBatch:
             row.stats.rounds += len(steps)
             row.stats.emitted += len(emitted)
             new.append(emitted)
+        # Every row stepped the whole stretch: one that ended inside it (max_tokens, a stop) keeps
+        # only its own positions, as a verify round's commit does (linear-attention states can be
+        # taken back only while the stretch is held).
+        caches.commit(self.cache, [min(n, row.cache_length) for n, row in zip(caches.lengths_of(self.cache), rows)])
         self.bonus, self.hidden = bonus, hidden
         return new
 

@@ -266,17 +266,22 @@ def _states(caches: list) -> list[LinearStateCache]:
 
 def commit(caches: list, lengths: list[int]) -> None:
     states = _states(caches)
-    if states:  # the last forward wrote from the committed lengths on
-        kept = [new - old for new, old in zip(lengths, lengths_of(caches))]
+    if states:  # the last forward (or held run) wrote from the committed lengths on (less what it settled)
         for state in states:
-            state.keep(kept)
+            state.keep([new - old + state.settled for new, old in zip(lengths, lengths_of(caches))])
     for table in tables_of(caches):
         table.commit(lengths)
 
 
+def hold(caches: list) -> None:
+    """Record the coming forwards of linear-attention states as one run (``LinearStateCache.hold``)."""
+    for state in _states(caches):
+        state.hold()
+
+
 def advance(caches: list, n: int) -> None:
     for state in _states(caches):
-        state.keep(None)
+        state.settle(n)
     for table in tables_of(caches):
         table.advance(n)
 

@@ -27,6 +27,8 @@ class LinearStateCache:
         self.lengths = None  # read by mlx-lm's layer: None = every row keeps every position
         self._before = None  # the state before the last uncommitted forward
         self._inputs = None  # that forward's input to the layer [B, L, H]
+        self._held = False  # recording a run of forwards (a plain stretch), not just the last one
+        self.settled = 0  # positions of that run already counted in the committed lengths
 
     # -- mlx-lm cache protocol -------------------------------------------------------------
     def __getitem__(self, index):
@@ -50,14 +52,32 @@ class LinearStateCache:
 
     # -- speculative decoding --------------------------------------------------------------
     def record(self, inputs: mx.array) -> None:
-        """Called before a forward: keep the state it starts from and its input."""
+        """Called before a forward: keep the state it starts from and its input (while held, the
+        state the run started from and every input since)."""
+        if self._held and self._inputs is not None:
+            self._inputs = mx.concatenate([self._inputs, inputs], axis=1)
+            return
         self._before = list(self.cache)
         self._inputs = inputs
 
+    def hold(self) -> None:
+        """Record the coming forwards as one run, so that a row can be taken back to any position
+        inside it: a plain stretch steps every row, also one whose request ends mid-stretch."""
+        self._held, self.settled = True, 0
+
+    def settle(self, n: int) -> None:
+        """The caller counted ``n`` more positions as committed (a prefill chunk, a plain step)."""
+        if self._held:
+            self.settled += n
+        else:
+            self.keep(None)
+
     def keep(self, kept: list[int] | None) -> None:
-        """Keep ``kept[r]`` of the positions the last forward wrote in row r (None: all of them)."""
+        """Keep ``kept[r]`` of the positions the last forward (or the held run) wrote in row r
+        (None: all of them); the hold ends."""
         before, inputs = self._before, self._inputs
         self._before = self._inputs = None
+        self._held, self.settled = False, 0
         if kept is None:
             return
         if before is None:

@@ -16,7 +16,7 @@ from omlx_mtp.tools.peer import peer_available
 from omlx_mtp.fixtures.tiny import TinySpec, write_assistant
 
 FIELDS = {"text", "tokens", "generated_tokens", "mtp", "rounds", "drafted", "accepted", "acceptance_rate",
-          "tokens_per_round", "tokens_per_second"}
+          "tokens_per_round", "tokens_per_second", "drafting_rounds", "plain_steps", "probes", "depths"}
 
 
 def run_json(capsys, *args):

@@ -70,6 +70,7 @@ def test_counters_move_during_requests_and_pool_across_generators(pair_31b):
     strategy = strategy_for(pair, oracle(pair, requests))
     assert strategy.stats.snapshot() == {"enabled": True, "requests": 0, "running": 0, "rounds": 0, "drafted": 0,
                                          "accepted": 0, "acceptance_rate": 0.0, "tokens_per_round": 0.0,
+                                         "drafting_rounds": 0, "plain_steps": 0, "probes": 0, "depths": {},
                                          "fallbacks": dict.fromkeys(FALLBACK_REASONS, 0)}
     first = new_generator(strategy, pair)
     uids = [insert(first, pair, p) for p in requests[:2]]
@@ -87,6 +88,10 @@ def test_counters_move_during_requests_and_pool_across_generators(pair_31b):
     assert done["running"] == 0 and done["requests"] == 2
     assert counted(done) == (first.totals.rounds, first.totals.drafted, first.totals.accepted)
     assert done["tokens_per_round"] == round(first.totals.tokens_per_round, 4) > 1.0
+    # what auto did: every round a drafting round (at some depth) or a plain step
+    assert done["drafting_rounds"] + done["plain_steps"] == done["rounds"]
+    assert sum(done["depths"].values()) == done["drafting_rounds"] > 0 and done["probes"] <= done["drafting_rounds"]
+    assert sum(int(k) * n for k, n in done["depths"].items()) == done["drafted"]
     assert done["acceptance_rate"] == round(first.totals.acceptance_rate, 4) < 1.0
 
     # oMLX resets: the generator is thrown away mid-request and the strategy makes another.

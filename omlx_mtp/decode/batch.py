@@ -4,7 +4,7 @@ deepest depth a row asked for, or runs a pipelined stretch of plain steps when n
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import mlx.core as mx
 
@@ -15,6 +15,20 @@ from .requests import Request, RowState
 
 if TYPE_CHECKING:
     from .loop import SpeculativeDecoder
+
+
+class Round(NamedTuple):
+    """A round as a timeline keeps it: ``kind`` "plain" (a stretch of ``steps`` plain steps),
+    "draft" (drafting that won on what was known) or "probe" (drafting to find out); its depth,
+    rows, tokens emitted by all rows, wall seconds (host sync included) and whether it traced."""
+
+    kind: str
+    depth: int
+    steps: int
+    rows: int
+    tokens: int
+    seconds: float
+    traced: bool
 
 class LiveBatch:
     """The rows decoding together.  Rows join (prefilled) and leave at round boundaries; each
@@ -138,20 +152,25 @@ class LiveBatch:
             return [self._wanted(row) for row in rows]
         depth, self._batch_pending = self._batch_pending, None
         if depth is None:
-            depth = batch.choose()
+            depth = batch.choose(max(_left(row) for row in rows))
         return [0 if row.one_token_per_round else depth for row in rows]
 
-    def _observe(self, caps: list[int], accepted: list[int], seconds: float | None) -> None:
+    def _observe(self, caps: list[int], accepted: list[int], seconds: float | None, traced: bool) -> None:
         batch = self._batch_controller()
         if batch is not None:
             # Rows held to fewer drafts (a snapshot boundary, max_tokens) say nothing of depth K.
             K = max(caps)
             drafting = [n for cap, n in zip(caps, accepted) if cap and cap == K]
-            batch.observe(K, drafting, seconds)
+            batch.observe(K, drafting, seconds, traced)
             seconds = None  # a row's own times are for when it decodes alone
         for row, cap, n in zip(self.rows, caps, accepted):
             if row.controller is not None:
-                row.controller.observe(cap, [n] if cap else [0], seconds)
+                row.controller.observe(cap, [n] if cap else [0], seconds, traced)
+
+    def _probing(self, row: RowState) -> bool:
+        """Whether the row's depth this round was a probe (plain had won; drafting was tried to find out)."""
+        controller = self._batch_controller() or row.controller
+        return controller is not None and controller.probing
 
     def _wanted(self, row: RowState) -> int:
         if row.one_token_per_round:
@@ -159,7 +178,7 @@ class LiveBatch:
         if row.pending_depth is not None:
             depth, row.pending_depth = row.pending_depth, None
             return depth
-        return row.controller.choose() if row.controller is not None else self.max_depth
+        return row.controller.choose(_left(row)) if row.controller is not None else self.max_depth
 
     def round(self) -> list[list[int]]:
         """One round for every row; returns the tokens each row emitted (in ``self.rows`` order).
@@ -184,15 +203,15 @@ class LiveBatch:
         drafts, n, bonus, hidden, self.logits = self.decoder._round(
             rows, self.cache, self.bonus, self.hidden, K, self._split_key(), caps)
         drafts_host, n_host, bonus_host = drafts.tolist(), n.tolist(), bonus.tolist()
-        seconds = self._settle(self._timing(started, traces), [len(rows), *caps, *n_host, *bonus_host])
-        self._observe(caps, n_host, seconds)
+        seconds, traced = self._settle(*self._timing(started, traces), [len(rows), *caps, *n_host, *bonus_host])
+        self._record("probe" if any(self._probing(row) for row in rows) else "draft", K, 1,
+                     sum(n_host) + len(rows), started, traces)
+        self._observe(caps, n_host, seconds, traced)
         new, lengths = [], []
         for slot, row in enumerate(rows):
             kept = drafts_host[slot][: n_host[slot]] + [bonus_host[slot]]
             row.processors.settle(len(kept))
-            row.stats.rounds += 1
-            row.stats.drafted += caps[slot]
-            row.stats.accepted += n_host[slot]
+            row.stats.count_round(caps[slot], n_host[slot], probe=self._probing(row))
             emitted = row.emit(kept)
             row.stats.emitted += len(emitted)
             new.append(emitted)
@@ -226,14 +245,16 @@ class LiveBatch:
         decoder._absorb_stretch(self.cache, fed)
         tokens = mx.stack([b for b, _ in steps], axis=1).tolist()
         self.logits = mx.concatenate([l for _, l in steps], axis=1)
-        seconds = self._settle(self._timing(started, traces, len(steps)),
-                               [len(rows), len(steps), *(t for row_tokens in tokens for t in row_tokens)])
+        seconds, traced = self._settle(*self._timing(started, traces, len(steps)),
+                                       [len(rows), len(steps), *(t for row_tokens in tokens for t in row_tokens)])
+        self._record("plain", 0, len(steps), len(steps) * len(rows), started, traces)
         for _ in steps:
-            self._observe([0] * len(rows), [0] * len(rows), seconds)
+            self._observe([0] * len(rows), [0] * len(rows), seconds, traced)
         new = []
         for row, row_tokens in zip(rows, tokens):
             emitted = row.emit(row_tokens)
             row.stats.rounds += len(steps)
+            row.stats.plain_steps += len(steps)
             row.stats.emitted += len(emitted)
             new.append(emitted)
         # Every row stepped the whole stretch: one that ended inside it (max_tokens, a stop) keeps
@@ -243,31 +264,36 @@ class LiveBatch:
         self.bonus, self.hidden = bonus, hidden
         return new
 
-    def _settle(self, seconds: float | None, decided: list[int]) -> float | None:
+    def _record(self, kind: str, depth: int, steps: int, tokens: int, started: float, traces: int) -> None:
+        """One round into the decoder's timeline, when one is kept (``SpeculativeDecoder.timeline``)."""
+        if self.decoder.timeline is not None:
+            self.decoder.timeline.append(Round(kind, depth, steps, len(self.rows), tokens,
+                                               time.perf_counter() - started, self.decoder.traces_made != traces))
+
+    def _settle(self, seconds: float, traced: bool, decided: list[int]) -> tuple[float | None, bool]:
         """With a sharded target: check the ranks decided alike, and take rank 0's time (what every
         rank's controllers then observe, so that they choose alike)."""
         if self.ranks is None:
-            return seconds
+            return seconds, traced
         decided, self._unchecked = self._unchecked + decided, []
-        return self.ranks.settle(seconds, decided)
+        return self.ranks.settle(seconds, decided, traced)
 
-    def _timing(self, started: float, traces: int, steps: int = 1) -> float | None:
-        """Seconds per step since ``started``; None when a graph was traced meanwhile."""
-        if self.decoder.traces_made != traces:
-            return None
-        return (time.perf_counter() - started) / steps
+    def _timing(self, started: float, traces: int, steps: int = 1) -> tuple[float, bool]:
+        """Seconds per step since ``started``, and whether a graph was traced meanwhile (then the
+        time tells what tracing costs, not what the round does)."""
+        return (time.perf_counter() - started) / steps, self.decoder.traces_made != traces
 
     def _still_plain(self) -> bool:
         """Ask the controllers for the next depth; any wish to draft ends the stretch."""
         batch = self._batch_controller()
         if batch is not None:
             if self._batch_pending is None:
-                self._batch_pending = batch.choose() or None
+                self._batch_pending = batch.choose(max(_left(row) for row in self.rows)) or None
             return self._batch_pending is None
         go_on = True
         for row in self.rows:
             if row.controller is not None and row.pending_depth is None:
-                depth = row.controller.choose()
+                depth = row.controller.choose(_left(row))
                 if depth:
                     row.pending_depth, go_on = depth, False
         return go_on
@@ -280,6 +306,11 @@ class LiveBatch:
         slot = next(i for i, r in enumerate(self.rows) if r is row)
         cache = caches.select_rows(self.cache, [slot])
         return self.decoder.cache_at(cache, self.bonus[slot : slot + 1], row.cache_length)
+
+
+def _left(row: RowState) -> int:
+    """Tokens the row may still emit (its max_tokens; a stop may come sooner)."""
+    return row.request.max_tokens - len(row.generated)
 
 
 def _select(keep: list[int], total: int, bonus, hidden, cache):

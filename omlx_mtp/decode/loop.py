@@ -70,6 +70,7 @@ class SpeculativeDecoder:
         self._round_costs: dict = {}  # (batch size, max depth, context bucket) -> RoundCosts
         self._acceptance: dict = {}  # sampling kind -> AcceptanceMemory, shared by its requests
         self.mask_drafts = True  # rows under a grammar draft only what it allows
+        self.timeline: list | None = None  # a list to keep every round in (``batch.Round``), for profiling
 
     # -- public ---------------------------------------------------------------------------
     def generate(self, requests: Sequence[Request], seed: int | None = None, draft_tokens: int | str | None = None):

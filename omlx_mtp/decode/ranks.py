@@ -86,20 +86,20 @@ class RankGroup:
         """Rank 0's seed, for every rank's random state."""
         return int(self._gather(mx.array([seed % (2**31)], dtype=mx.int32))[0, 0].item())
 
-    def settle(self, seconds: float | None, decided: list[int]) -> float | None:
-        """Check that every rank ``decided`` the same and return rank 0's round time (None: a round
-        whose time says nothing, e.g. one that traced a graph)."""
+    def settle(self, seconds: float | None, decided: list[int], traced: bool = False) -> tuple[float | None, bool]:
+        """Check that every rank ``decided`` the same and return rank 0's round time (None: not
+        timed) and whether its round traced a graph."""
         digest = hashlib.blake2b(repr(decided).encode(), digest_size=6).digest()
         words = [int.from_bytes(digest[i : i + 2], "little") for i in range(0, 6, 2)]  # exact in float32
-        mine = mx.array([math.nan if seconds is None else seconds, *words], dtype=mx.float32)
+        mine = mx.array([math.nan if seconds is None else seconds, float(traced), *words], dtype=mx.float32)
         started = time.perf_counter()
         rows = self._gather(mine).tolist()
         self.seconds += time.perf_counter() - started
         self.rounds += 1
-        theirs = [r for r, row in enumerate(rows) if row[1:] != rows[0][1:]]
+        theirs = [r for r, row in enumerate(rows) if row[2:] != rows[0][2:]]
         if theirs:
             raise RanksDisagree(f"rank {self.rank}: ranks {theirs} decided otherwise than rank 0 in round "
                                 f"{self.rounds} (rows, depths, accepted drafts or tokens differ); stopping before "
                                 "their collectives diverge")
         first = rows[0][0]
-        return None if math.isnan(first) else float(first)
+        return (None if math.isnan(first) else float(first)), bool(rows[0][1])

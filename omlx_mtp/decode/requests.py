@@ -13,15 +13,22 @@ from .processors import RowProcessors
 from .sampling import SamplingParams
 from .target import PromptEmbeddings
 
-_STATS_FIELDS = ("rounds", "drafted", "accepted", "emitted")
+_STATS_FIELDS = ("rounds", "drafted", "accepted", "emitted", "plain_steps", "probes")
 
 
 @dataclass
 class DecodeStats:
+    """What a request's decoding did: ``rounds`` (drafting rounds and plain steps), drafts made
+    and accepted, tokens emitted, plain steps, probes (drafting rounds run to find out whether
+    drafting pays, where plain steps were winning) and drafting rounds per depth."""
+
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
     emitted: int = 0
+    plain_steps: int = 0
+    probes: int = 0
+    depths: dict = field(default_factory=dict)  # depth -> drafting rounds at it
 
     @property
     def acceptance_rate(self) -> float:
@@ -31,15 +38,35 @@ class DecodeStats:
     def tokens_per_round(self) -> float:
         return self.emitted / self.rounds if self.rounds else 0.0
 
+    @property
+    def drafting_rounds(self) -> int:
+        return sum(self.depths.values())
+
+    def count_round(self, depth: int, accepted: int, probe: bool = False) -> None:
+        """A round in which this row drafted ``depth`` tokens (0: it took one plain step)."""
+        self.rounds += 1
+        self.drafted += depth
+        self.accepted += accepted
+        if depth:
+            self.depths[depth] = self.depths.get(depth, 0) + 1
+            self.probes += probe
+        else:
+            self.plain_steps += 1
+
     @classmethod
     def pooled(cls, many) -> "DecodeStats":
         """The stats of several requests (or runs) added together."""
         many = list(many)
-        return cls(*(sum(getattr(s, f) for s in many) for f in _STATS_FIELDS))
+        depths: dict = {}
+        for s in many:
+            for k, n in s.depths.items():
+                depths[k] = depths.get(k, 0) + n
+        return cls(*(sum(getattr(s, f) for s in many) for f in _STATS_FIELDS), depths=depths)
 
     def minus(self, earlier: "DecodeStats") -> "DecodeStats":
         """What was added since ``earlier``."""
-        return DecodeStats(*(getattr(self, f) - getattr(earlier, f) for f in _STATS_FIELDS))
+        depths = {k: n - earlier.depths.get(k, 0) for k, n in self.depths.items() if n != earlier.depths.get(k, 0)}
+        return DecodeStats(*(getattr(self, f) - getattr(earlier, f) for f in _STATS_FIELDS), depths=depths)
 
     def as_dict(self) -> dict:
         return {
@@ -48,6 +75,10 @@ class DecodeStats:
             "accepted": self.accepted,
             "acceptance_rate": self.acceptance_rate,
             "tokens_per_round": self.tokens_per_round,
+            "drafting_rounds": self.drafting_rounds,
+            "plain_steps": self.plain_steps,
+            "probes": self.probes,
+            "depths": {str(k): n for k, n in sorted(self.depths.items())},
         }
 
 

@@ -230,7 +230,7 @@ def _bench_batch(session, requests, K, temp, continuation, repeats, say, scripte
     for name, values in speeds.items():
         entry = _entry(name, temp, K, len(requests), statistics.median(values))
         if name in stats and name not in BASELINES:
-            entry.update(acceptance_rate=stats[name].acceptance_rate, tokens_per_round=stats[name].tokens_per_round)
+            entry.update(_what_it_did(stats[name]))
         results.append(entry)
     costs = component_costs(session, list(requests[0].prompt), K, len(requests), temp) if K != "auto" else {}
     costs["decode_ms"] = 1000 * len(requests) / plain_tps if plain_tps else 0.0  # one step of the batch, mlx-lm's
@@ -313,7 +313,7 @@ def _bench_depth(session, requests, K, temp, continuation, repeats, say, peer=No
             entry.update(_peer_rates(peer_stats))
         if name in stats:
             pooled = DecodeStats.pooled(stats[name])
-            entry.update(acceptance_rate=pooled.acceptance_rate, tokens_per_round=pooled.tokens_per_round)
+            entry.update(_what_it_did(pooled))
         results.append(entry)
     _with_bounds(results, costs, K, engines)
     for entry in results:
@@ -332,7 +332,16 @@ def _row(e: dict) -> str:
         line += f"  accept {e['acceptance_rate']:.0%}  {e['tokens_per_round']:.2f} tok/round"
     if "speedup_bound" in e:
         line += f"  bound x{e['speedup_bound']:.2f}  achieved/bound {e['achieved_over_bound']:.2f}"
+    if e.get("draft_tokens") == "auto" and "plain_share" in e:
+        line += f"  plain {e['plain_share']:.0%} of rounds, {e['probes']} probes"
     return line
+
+
+def _what_it_did(stats: DecodeStats) -> dict:
+    """Acceptance, and (for auto) how its rounds split between drafting and plain steps."""
+    return {"acceptance_rate": stats.acceptance_rate, "tokens_per_round": stats.tokens_per_round,
+            "plain_share": stats.plain_steps / stats.rounds if stats.rounds else 0.0, "probes": stats.probes,
+            "depths": {str(k): n for k, n in sorted(stats.depths.items())}}
 
 
 def bench_prompts(session: Session, prompt_tokens: int) -> list[list[int]]:

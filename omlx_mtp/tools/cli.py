@@ -55,6 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--draft-tokens", type=int, default=3, help="fixed depth shown beside auto")
     demo.add_argument("--json", action="store_true")
 
+    tl = sub.add_parser("timeline", help="where MTP's decode time goes against MTP off, cause by cause")
+    tl.add_argument("--model", help="target checkpoint (default: the embedded demo pair)")
+    tl.add_argument("--drafter", help="drafter checkpoint (with --model)")
+    tl.add_argument("--draft-tokens", default="auto", help="'auto' (default) or a fixed depth")
+    tl.add_argument("--batch", type=int, default=1, help="requests decoding together")
+    tl.add_argument("--max-tokens", type=int, default=96)
+    tl.add_argument("--repeats", type=int, default=10)
+    tl.add_argument("--json", action="store_true")
+
     quant = sub.add_parser("quantize", help="quantize a checkpoint, keeping its MTP weights")
     quant.add_argument("src", help="source checkpoint directory (Hugging Face or MLX layout)")
     quant.add_argument("out", help="output directory (written atomically)")
@@ -252,6 +261,24 @@ def cmd_bench(args) -> int:
                      temps, batches, args.plot, accuracies, args.target_bits, args.head_bits, args.sharding)
 
 
+def cmd_timeline(args) -> int:
+    from .timeline import run_timeline
+
+    if args.drafter is not None and args.model is None:
+        raise MTPError("timeline: --drafter needs --model")
+    depth = args.draft_tokens if args.draft_tokens == "auto" else _depth(args.draft_tokens)
+    if args.batch < 1 or args.repeats < 1:
+        raise MTPError("timeline: --batch and --repeats must be at least 1")
+    return run_timeline(args.model, args.drafter, depth, args.batch, args.max_tokens, args.repeats, args.json)
+
+
+def _depth(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise MTPError(f"--draft-tokens: expected 'auto' or an integer, got {text!r}") from None
+
+
 def cmd_quantize(args) -> int:
     from ..checkpoint.quantize import QuantizeOptions, quantize
 
@@ -325,7 +352,7 @@ def cmd_inspect(args) -> int:
 
 COMMANDS = {"generate": cmd_generate, "demo": cmd_demo, "bench": cmd_bench, "quantize": cmd_quantize,
             "add-mtp": cmd_add_mtp, "inspect": cmd_inspect, "settings": cmd_settings, "patch": cmd_patch,
-            "serve": cmd_serve}
+            "serve": cmd_serve, "timeline": cmd_timeline}
 
 
 def main(argv=None) -> int:

@@ -487,3 +487,22 @@ def test_costs_carried_to_a_new_batch_size_are_overruled_by_its_first_rounds():
         speed, _ = simulate(DepthController(max_depth=8, costs=one.carried(), memory=memory), 0.7, 1.0,
                             lambda k: 2.2 + 0.7 * k, tokens=96, seed=seed, trace=8.0, traced=set())
         assert speed >= 0.85
+
+
+@pytest.mark.parametrize("greedy, sampled", [(0.85, 0.35), (0.75, 0.45)])
+def test_a_servers_mixed_requests_each_get_their_kind_s_best(greedy, sampled):
+    """A server alternates 60-token greedy requests, whose drafts win, with sampled ones, whose drafts
+    lose, on the same costs (new depths tracing for eight plain steps).  Each kind keeps its own
+    acceptance: the greedy requests keep 0.92 of their best depth (the old controller: 0.88-0.90,
+    its probes and explorations paid again in every short request), the sampled ones 0.97 of plain."""
+    cost = lambda k: 1.5 + 0.3 * k
+    costs, memories, traced = RoundCosts(), {greedy: AcceptanceMemory(), sampled: AcceptanceMemory()}, set()
+    seconds = {greedy: 0.0, sampled: 0.0}
+    for i in range(40):
+        a = greedy if i % 2 == 0 else sampled
+        speed, _ = simulate(DepthController(max_depth=8, costs=costs, memory=memories[a]), a, 1.0, cost, tokens=60,
+                            seed=i, trace=8.0, traced=traced)
+        seconds[a] += 60 / speed
+    assert best_fixed_rate(sampled, 1.0, cost, 8) == 1.0
+    assert 1200 / seconds[greedy] >= 0.92 * best_fixed_rate(greedy, 1.0, cost, 8)
+    assert 1200 / seconds[sampled] >= 0.97

@@ -4,7 +4,8 @@ Loads a checkpoint sharded over the ranks, runs the scenarios asked for, and pri
 ``{"rank", "ranks", "sharding", "results": {scenario: tokens per request}}``.  Scenarios: plain
 decoding on the sharded model (mlx-lm's loop), MTP at fixed depths and auto as one batch, a batch
 that rows join late, and sampling at T=1.  ``--own-seed`` is the mutation the rank check exists
-for (each rank samples with a seed of its own); ``--die-after N`` kills rank 1 after N rounds."""
+for (each rank samples with a seed of its own); ``--die-after N`` kills rank 1 after N rounds,
+``--die-in-prefill N`` at its Nth prompt's prefill."""
 
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ def main() -> int:
     parser.add_argument("--scenarios", default="plain,K1,K3,auto,join")
     parser.add_argument("--own-seed", action="store_true")
     parser.add_argument("--die-after", type=int, default=None)
+    parser.add_argument("--die-in-prefill", type=int, default=None, help="rank 1 dies at its Nth prompt")
     args = parser.parse_args()
 
     group = mx.distributed.init()
@@ -80,6 +82,16 @@ def main() -> int:
             return original(self)
 
         LiveBatch.round = dying
+    if args.die_in_prefill is not None and ranks.rank == 1:
+        prefill, prompts_seen = SpeculativeDecoder._prefill_one, [0]
+
+        def dying_in_prefill(self, *a, **k):
+            prompts_seen[0] += 1
+            if prompts_seen[0] >= args.die_in_prefill:  # rank 0 is then inside the same prompt's forward
+                os.kill(os.getpid(), signal.SIGKILL)
+            return prefill(self, *a, **k)
+
+        SpeculativeDecoder._prefill_one = dying_in_prefill
     model, _, _ = load_target(args.model, with_tokenizer=False, sharding=args.sharding)
     target = wrap_target(model)
     drafter = load_merged_drafter(args.model, target)

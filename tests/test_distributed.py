@@ -160,6 +160,21 @@ def test_a_killed_rank_ends_the_others(checkpoints, batch, tmp_path):
     assert "peer" in stderr or "did not complete" in stderr, stderr[-2000:]
 
 
+def test_a_rank_killed_during_prefill_ends_the_others(checkpoints, batch, tmp_path):
+    """A rank lost while the others prefill a prompt (its forward's collectives never answer):
+    prefill is watched chunk by chunk as rounds are, so the survivor exits instead of waiting forever
+    (without the watch, mlx 0.31's ring and a pipeline's receive wait on a dead peer: the launch
+    times out and this test fails)."""
+    ranks = spawn_ranks(checkpoints["qwen3_5"], "--sharding", "auto", "--prompts", json.dumps(batch),
+                        "--max-tokens", str(MAX_TOKENS), "--scenarios", "K3", "--die-in-prefill", "2",
+                        env={"OMLX_MTP_COLLECTIVE_TIMEOUT": "20"}, tmp_path=tmp_path)
+    (survivor, seconds, stdout, stderr), (killed, *_) = ranks
+    assert killed == -9
+    assert survivor != 0 and not stdout.strip(), stderr[-2000:]
+    assert seconds < 90, seconds
+    assert "peer" in stderr or "did not complete" in stderr, stderr[-2000:]
+
+
 def test_gemma4_targets_are_refused_for_sharding(pair_31b):
     """mlx-lm has neither pipeline nor tensor sharding for Gemma 4: refused, saying so (they still
     run on one machine: every other test of theirs)."""

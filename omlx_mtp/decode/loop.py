@@ -14,6 +14,7 @@ hidden state at the position that produced it.  One round:
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import nullcontext
 from functools import partial
 from typing import Iterator, Sequence
 
@@ -158,12 +159,19 @@ class SpeculativeDecoder:
                 previous = hidden[:, -1:]
             caches.advance(cache, chunk.shape[1])
             if not last:
-                mx.eval([c.state for c in cache])
+                with self._watched():  # chunk by chunk: a lost rank ends this one, a long prompt does not
+                    mx.eval([c.state for c in cache])
         hidden = hidden[:, -1:]
         logits = self.target.head(hidden)
         caches.shrink_slack(cache, slack)
-        mx.eval(hidden, logits, [c.state for c in cache])
+        with self._watched():
+            mx.eval(hidden, logits, [c.state for c in cache])
         return cache, hidden, logits
+
+    def _watched(self):
+        """With a sharded target, work whose collectives a lost rank would leave waiting forever
+        ends the process instead (``RankGroup.watch``); on one process, nothing."""
+        return self.ranks.watch() if self.ranks is not None else nullcontext()
 
     def make_cache(self, batch_size: int, slack: int) -> list:
         cache = self.target.make_cache(batch_size, slack=slack)
@@ -232,7 +240,8 @@ class SpeculativeDecoder:
             raise ValueError(f"a cache of {have} tokens cannot reach {length}")
         # The hidden state too: a pipeline stage sends its output on, and gathers the last one, only
         # when that output is evaluated (its caches alone would leave the next stage waiting).
-        mx.eval(fed, [c.state for c in cache])
+        with self._watched():
+            mx.eval(fed, [c.state for c in cache])
         return cache
 
     def prefill_slack(self, slack: int) -> int:

@@ -204,14 +204,14 @@ class LiveBatch:
             rows, self.cache, self.bonus, self.hidden, K, self._split_key(), caps)
         drafts_host, n_host, bonus_host = drafts.tolist(), n.tolist(), bonus.tolist()
         seconds, traced = self._settle(*self._timing(started, traces), [len(rows), *caps, *n_host, *bonus_host])
-        self._record("probe" if any(self._probing(row) for row in rows) else "draft", K, 1,
-                     sum(n_host) + len(rows), started, traces)
+        probes = [self._probing(row) for row in rows]
+        self._record("probe" if any(probes) else "draft", K, 1, sum(n_host) + len(rows), started, traces)
         self._observe(caps, n_host, seconds, traced)
         new, lengths = [], []
         for slot, row in enumerate(rows):
             kept = drafts_host[slot][: n_host[slot]] + [bonus_host[slot]]
             row.processors.settle(len(kept))
-            row.stats.count_round(caps[slot], n_host[slot], probe=self._probing(row))
+            row.stats.count_round(caps[slot], n_host[slot], probe=probes[slot])
             emitted = row.emit(kept)
             row.stats.emitted += len(emitted)
             new.append(emitted)

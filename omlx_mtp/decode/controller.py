@@ -114,9 +114,10 @@ class RoundCosts:
             slope = max((mean_t - 1.0) / (mean_k + 1.0), 0.05)
         return max(mean_t + slope * (k - mean_k), 0.1)
 
-    def optimistic(self, k: int) -> float:
-        """t(k) one standard error below its estimate: few or scattered rounds leave room to look again."""
-        return self.relative(k) * (1.0 - min(0.5, math.sqrt(self.noise / (self._fit[0] + 1.0))))
+    def optimism(self) -> float:
+        """The factor that takes t(k) one standard error below its estimate: few or scattered
+        rounds leave room to look again."""
+        return 1.0 - min(0.5, math.sqrt(self.noise / (self._fit[0] + 1.0)))
 
     def trace_cost(self, k: int) -> float:
         """Plain steps a round at depth k pays for tracing its graphs (0 once they exist)."""
@@ -289,24 +290,26 @@ class DepthController:
             return min(2, self.max_depth)
         left = max(tokens_left if tokens_left is not None else self.default_tokens_left, 1)
         depths = range(1, min(self.max_depth, max(self.costs.deepest, 1) + 1) + 1)
-        mean = self._prices([m for m, _ in estimates], depths, left)
+        cost = {k: self.costs.relative(k) for k in depths}  # t(k), from the line once per choice
+        expected = self.expected_tokens([m for m, _ in estimates])
+        mean = self._prices(cost, expected, left)
         best = min(mean, key=mean.get)
         if not below and mean[best] * self.margin < 1.0:
             return best
         if below:
             return 0
         # Plain wins on what is known.  Probe where finding out may pay over the tokens left.
-        if min(self.costs.optimistic(k) / (k + 1) for k in depths) >= 1.0:  # even perfect drafts lose
+        cheaper = {k: t * self.costs.optimism() for k, t in cost.items()}
+        if min(t / (k + 1) for k, t in cheaper.items()) >= 1.0:  # even perfect drafts lose
             return 0
-        optimistic = self._prices([_optimistic(m, n) for m, n in estimates], depths, left, optimistic=True)
-        expected = self.expected_tokens([m for m, _ in estimates])
+        optimistic = self._prices(cheaper, self.expected_tokens([_optimistic(m, n) for m, n in estimates]), left)
         horizon = min(left, self.horizon)
         net = {}
         for k in depths:
             looked_at = expected[k - 1]  # drafts a round of k looks at, on average
             saving = probe_value(mean[k], optimistic[k], looked_at / (estimates[0][1] + looked_at)) * horizon
             # what the probe round loses against plain steps, at least the margin drafting must promise
-            loss = max(self.costs.relative(k) - expected[k], (self.margin - 1.0) * expected[k])
+            loss = max(cost[k] - expected[k], (self.margin - 1.0) * expected[k])
             net[k] = saving - loss - self.costs.trace_cost(k)
         probe = max(net, key=net.get)
         if net[probe] > 0:
@@ -314,14 +317,12 @@ class DepthController:
             return probe
         return 0
 
-    def _prices(self, rates: list[float], depths, left: int, optimistic: bool = False) -> dict:
-        """tau(k): plain steps per token at each depth (``optimistic``: rounds one standard error cheaper)."""
-        expected = self.expected_tokens(rates)
-        cost = self.costs.optimistic if optimistic else self.costs.relative
+    def _prices(self, cost: dict, expected: list[float], left: int) -> dict:
+        """tau(k): plain steps per token at each depth k of ``cost`` (t(k)), E(k) being ``expected``."""
         # A graph traced now serves the rest of the request and, in a process that has decoded many
         # tokens at these shapes already, likely about as many more.
         serves = max(left, self.costs.decoded)
-        return {k: cost(k) / expected[k] + self.costs.trace_cost(k) / serves for k in depths}
+        return {k: t / expected[k] + self.costs.trace_cost(k) / serves for k, t in cost.items()}
 
     def _timing_plain(self) -> bool:
         """True while plain steps are being timed: before any drafting round while no plain time is

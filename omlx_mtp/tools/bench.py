@@ -339,9 +339,9 @@ def _row(e: dict) -> str:
 
 def _what_it_did(stats: DecodeStats) -> dict:
     """Acceptance, and (for auto) how its rounds split between drafting and plain steps."""
-    return {"acceptance_rate": stats.acceptance_rate, "tokens_per_round": stats.tokens_per_round,
-            "plain_share": stats.plain_steps / stats.rounds if stats.rounds else 0.0, "probes": stats.probes,
-            "depths": {str(k): n for k, n in sorted(stats.depths.items())}}
+    counted = stats.as_dict()
+    return {**{key: counted[key] for key in ("acceptance_rate", "tokens_per_round", "probes", "depths")},
+            "plain_share": stats.plain_steps / stats.rounds if stats.rounds else 0.0}
 
 
 def bench_prompts(session: Session, prompt_tokens: int) -> list[list[int]]:

@@ -238,10 +238,7 @@ def cmd_bench(args) -> int:
     if (args.target_bits or args.head_bits) and not args.synthetic:
         raise MTPError("bench: --target-bits and --head-bits apply to --synthetic models "
                        "(quantize a checkpoint with omlx-mtp quantize)")
-    try:
-        depths = [k if k == "auto" else int(k) for k in args.draft_tokens.split(",")]
-    except ValueError:
-        raise MTPError(f"--draft-tokens: expected comma-separated integers, got {args.draft_tokens!r}") from None
+    depths = _draft_depths(args.draft_tokens)
     try:
         temps = [float(t) for t in args.temps.split(",")]
     except ValueError:
@@ -266,17 +263,20 @@ def cmd_timeline(args) -> int:
 
     if args.drafter is not None and args.model is None:
         raise MTPError("timeline: --drafter needs --model")
-    depth = args.draft_tokens if args.draft_tokens == "auto" else _depth(args.draft_tokens)
+    depths = _draft_depths(args.draft_tokens)
+    if len(depths) != 1:
+        raise MTPError(f"timeline: --draft-tokens takes one depth or 'auto', got {args.draft_tokens!r}")
     if args.batch < 1 or args.repeats < 1:
         raise MTPError("timeline: --batch and --repeats must be at least 1")
-    return run_timeline(args.model, args.drafter, depth, args.batch, args.max_tokens, args.repeats, args.json)
+    return run_timeline(args.model, args.drafter, depths[0], args.batch, args.max_tokens, args.repeats, args.json)
 
 
-def _depth(text: str) -> int:
+def _draft_depths(text: str) -> list:
+    """``--draft-tokens``: comma-separated depths, 'auto' among them."""
     try:
-        return int(text)
+        return [k if k == "auto" else int(k) for k in text.split(",")]
     except ValueError:
-        raise MTPError(f"--draft-tokens: expected 'auto' or an integer, got {text!r}") from None
+        raise MTPError(f"--draft-tokens: expected comma-separated integers, got {text!r}") from None
 
 
 def cmd_quantize(args) -> int:

@@ -79,14 +79,14 @@ def run_timeline(model=None, drafter=None, draft_tokens="auto", batch: int = 1, 
     plain_step = off_seconds * batch  # MTP off's seconds per step of the batch
     added = {cause: statistics.median(breakdown(s, r, plain_step)[cause] / (t * off_seconds) for s, r, t in runs["mtp"])
              for cause in CAUSES}
-    ratio = statistics.median(o[2] / o[0] / (m[2] / m[0]) for o, m in zip(runs["off"], runs["mtp"]))
+    speedup = statistics.median((m[2] / m[0]) / (o[2] / o[0]) for o, m in zip(runs["off"], runs["mtp"]))
     kinds = {}
     for _, rounds, _ in runs["mtp"]:
         for r in rounds:
             entry = kinds.setdefault(r.kind, [0, 0])
             entry[0], entry[1] = entry[0] + r.steps, entry[1] + r.traced
     report = {"model": label, "regime": regime(), "draft_tokens": draft_tokens, "batch": batch,
-              "mtp_over_off": 1.0 / ratio, "added_share_of_off_time": added,
+              "mtp_over_off": speedup, "added_share_of_off_time": added,
               "rounds_per_run": {k: v[0] / repeats for k, v in kinds.items()},
               "traced_rounds_per_run": {k: v[1] / repeats for k, v in kinds.items()}}
     if as_json:

@@ -254,3 +254,18 @@ def test_plugin_loads_the_built_in_head_for_omlx(qwen, tmp_path, caplog):
     with caplog.at_level("WARNING", logger="omlx_mtp"):
         assert plugin.omlx_load_drafter(model_id="bare", model_path=str(bare), model=model, settings=settings) is None
     assert "MTP disabled for bare" in caplog.text and "mtp" in caplog.text
+
+
+def test_a_pipeline_stage_without_full_attention_is_refused_saying_why():
+    """A stage whose layers are all linear attention holds no table of row lengths (and a host cache
+    of it could not say where a request stands): wrapping it is one clear error, not an IndexError
+    at the first request.  The stage is set up as mlx-lm's ``pipeline()`` leaves it on rank 1."""
+    model, _ = build(TinyQwenSpec())
+    body = model.language_model.model
+    first_linear = next(i for i, layer in enumerate(body.layers) if layer.is_linear)
+    body.pipeline_rank, body.pipeline_size = 1, 2
+    body.start_idx, body.end_idx = first_linear, first_linear + 1  # as pipeline() sets them
+    with pytest.raises(CheckpointError, match="pipeline stage 1 of 2 holds only linear-attention layers"):
+        wrap_target(model)
+    body.start_idx, body.end_idx = 0, None  # a stage with a full-attention layer wraps
+    assert any(not linear for linear in wrap_target(model).linear)

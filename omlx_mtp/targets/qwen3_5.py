@@ -23,6 +23,7 @@ from mlx_lm.models.base import create_attention_mask
 
 from ..decode.cache import SlotTable, PositionalKVCache
 from ..decode.linear_state import LinearStateCache
+from ..errors import CheckpointError
 from .base import Target, pipelined, stage_layers, whole_vocabulary
 
 
@@ -39,8 +40,16 @@ class HybridTarget(Target):
         self.vocab_size = self.args.vocab_size
         self.layers = stage_layers(self.body)  # a pipeline stage's own layers on a sharded trunk
         self.linear = [layer.is_linear for layer in self.layers]
-        if all(self.linear) and not getattr(self.body, "pipeline_size", 1) > 1:
-            raise TypeError(f"a {self.family} model without full-attention layers")
+        if all(self.linear):
+            stages = getattr(self.body, "pipeline_size", 1)
+            if stages == 1:
+                raise TypeError(f"a {self.family} model without full-attention layers")
+            # The loop counts a row's tokens in a full-attention layer's table; linear states
+            # hold no count, and a host cache of them could not say where a request stands.
+            raise CheckpointError(
+                f"pipeline stage {self.body.pipeline_rank} of {stages} holds only linear-attention layers "
+                f"({len(self.layers)} of them): MTP needs a full-attention layer on every stage (one in every "
+                f"{self.args.full_attention_interval} layers); use fewer ranks")
         # The trunk's forwards mutate linear states in ways a compiled graph of K/V caches can't follow.
         super().__init__(model, compiled=False)
 

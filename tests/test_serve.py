@@ -318,3 +318,29 @@ def test_a_prompt_held_whole_by_the_cache_feeds_its_last_token_again():
     assert (prompt, tokens, cache[0].offset) == ([9], [7, 8], 2)
     state = ArraysCache(size=2)  # can't be trimmed: the prompt prefills anew
     assert mlx_lm_server._refeed_last([state], [7, 8, 9]) == ([7, 8, 9], None, [])
+
+
+def test_mtp_stays_on_only_where_every_rank_set_it_up(monkeypatch):
+    """Under mlx.launch a rank that could not set MTP up (its stage, its drafter) serves plainly;
+    every other rank must then serve plainly too, or their loops' collectives would not match."""
+    import mlx.core as mx
+
+    sums = []
+
+    class Group:  # two ranks, of which the other one could not set MTP up
+        def size(self):
+            return 2
+
+    def all_sum(x, group=None, stream=None):
+        sums.append(x.item())
+        return x  # the other rank adds 0
+
+    monkeypatch.setattr(mx.distributed, "init", lambda *a, **k: Group())
+    monkeypatch.setattr(mx.distributed, "all_sum", all_sum)
+    strategy, note = mlx_lm_server._agreed(object(), "drafter D")
+    assert strategy is None and note == "1 of 2 ranks could not set MTP up (their logs say why)" and sums == [1]
+    strategy, note = mlx_lm_server._agreed(None, "its own reason")  # this rank's reason is kept
+    assert strategy is None and note == "its own reason"
+    monkeypatch.setattr(mx.distributed, "all_sum", lambda x, group=None, stream=None: mx.array(2))
+    kept = object()
+    assert mlx_lm_server._agreed(kept, "drafter D") == (kept, "drafter D")  # both ranks ready

@@ -233,11 +233,26 @@ class Installation:
             strategy, note = None, str(exc)
         except Exception as exc:  # noqa: BLE001 - a drafter that fails to build: the model still serves
             strategy, note = None, f"the drafter could not be set up ({type(exc).__name__}: {exc})"
+        strategy, note = _agreed(strategy, note)
         if strategy is None:
             log.warning("omlx-mtp: MTP off for %s: %s; mlx-lm serves it plainly", model_path, note)
             return
         self.strategies[id(provider.model)] = (provider.model, strategy)
         log.info("omlx-mtp: MTP on for %s: %s", model_path, note)
+
+
+def _agreed(strategy, note: str) -> tuple[MTPStrategy | None, str]:
+    """Under ``mlx.launch`` every rank must run the same loop: MTP stays on only where every rank
+    could set it up (a rank left plain would wait in collectives the others never make)."""
+    group = mx.distributed.init()
+    if group.size() == 1:
+        return strategy, note
+    ready = mx.distributed.all_sum(mx.array(int(strategy is not None)), group=group, stream=mx.cpu).item()
+    if ready == group.size():
+        return strategy, note
+    if strategy is not None:
+        note = f"{group.size() - ready} of {group.size()} ranks could not set MTP up (their logs say why)"
+    return None, note
 
 
 def _provider_class(base, installation: Installation):

@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from ..decode import cache as caches
 from ..decode.linear_state import LinearStateCache
+from ..decode.ranks import RankGroup
 from ..decode.requests import DecodeStats, Request
 from ..decode.loop import SpeculativeDecoder
 from ..decode.sampling import SamplingParams
@@ -428,12 +429,15 @@ def _bench_session(tmp: Path, model, drafter, synthetic, synthetic_layers, dtype
     if synthetic is not None:
         from ..fixtures.synthetic import synthetic_pair
 
-        target, assistant = synthetic_pair(synthetic, synthetic_layers, dtype, target_bits, head_bits)
+        group = mx.distributed.init()
+        ranks = RankGroup(group) if group.size() > 1 else None  # under mlx.launch: every rank builds the same pair
+        target, assistant = synthetic_pair(synthetic, synthetic_layers, dtype, target_bits, head_bits,
+                                           sharding=(sharding or "auto") if ranks else None)
         label = f"{synthetic} ({synthetic_layers} target layers, random weights, {dtype}"
         label += f", target {target_bits}-bit" if target_bits else ""
         label += f", assistant head {head_bits}-bit)" if head_bits else ")"
         why = peer_note or "a synthetic pair has no checkpoint for mlx-vlm to load"
-        return Session(target, None, assistant), label, None, why
+        return Session(target, None, assistant, ranks=ranks), label, None, why
     if model is None:
         model, drafter, label = demo_pair(tmp / "pair")
     else:

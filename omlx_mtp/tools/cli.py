@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--target-bits", type=int, help="quantize a --synthetic target (4 or 8, as users serve it)")
     bench.add_argument("--head-bits", type=int, help="quantize a --synthetic drafter's head")
     bench.add_argument("--sharding", choices=["auto", "pipeline", "tensor"], default=None,
-                       help="under mlx.launch: how --model is split over the ranks (default: the model's choice)")
+                       help="under mlx.launch: how --model or --synthetic is split over the ranks (default: the model's choice)")
     bench.add_argument("--accuracy", default="",
                        help="also run the drafter with its drafts right at these rates (comma-separated, "
                             "e.g. 0.5,0.7,0.85; greedy): realistic acceptance where random weights accept nothing")

@@ -262,6 +262,8 @@ def test_a_pipeline_stage_without_full_attention_is_refused_saying_why():
     at the first request.  The stage is set up as mlx-lm's ``pipeline()`` leaves it on rank 1."""
     model, _ = build(TinyQwenSpec())
     body = model.language_model.model
+    if not hasattr(body, "pipeline"):
+        pytest.skip("this mlx-lm has no pipeline sharding for Qwen3.5 (0.32 adds it)")
     first_linear = next(i for i, layer in enumerate(body.layers) if layer.is_linear)
     body.pipeline_rank, body.pipeline_size = 1, 2
     body.start_idx, body.end_idx = first_linear, first_linear + 1  # as pipeline() sets them

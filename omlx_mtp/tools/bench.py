@@ -20,12 +20,11 @@ import mlx.core as mx
 
 from ..decode import cache as caches
 from ..decode.linear_state import LinearStateCache
-from ..decode.ranks import RankGroup
 from ..decode.requests import DecodeStats, Request
 from ..decode.loop import SpeculativeDecoder
 from ..decode.sampling import SamplingParams
 from ..drafters.oracle import OracleDrafter, ScriptedAccuracyDecoder
-from .session import NO_DRAFT, Session, regime, rotated, run_mtp, run_plain
+from .session import NO_DRAFT, Session, placed, regime, rotated, run_mtp, run_plain
 
 
 def _median_ms(fn, repeats: int = 20) -> float:
@@ -429,10 +428,8 @@ def _bench_session(tmp: Path, model, drafter, synthetic, synthetic_layers, dtype
     if synthetic is not None:
         from ..fixtures.synthetic import synthetic_pair
 
-        group = mx.distributed.init()
-        ranks = RankGroup(group) if group.size() > 1 else None  # under mlx.launch: every rank builds the same pair
-        target, assistant = synthetic_pair(synthetic, synthetic_layers, dtype, target_bits, head_bits,
-                                           sharding=(sharding or "auto") if ranks else None)
+        sharding, ranks = placed(sharding)  # under mlx.launch every rank builds the same pair, then splits it
+        target, assistant = synthetic_pair(synthetic, synthetic_layers, dtype, target_bits, head_bits, sharding)
         label = f"{synthetic} ({synthetic_layers} target layers, random weights, {dtype}"
         label += f", target {target_bits}-bit" if target_bits else ""
         label += f", assistant head {head_bits}-bit)" if head_bits else ")"

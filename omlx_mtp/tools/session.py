@@ -37,6 +37,15 @@ def regime() -> str:
     return f"{mx.default_device()}, {blas}"
 
 
+def placed(sharding: str | None) -> tuple[str | None, RankGroup | None]:
+    """(the sharding to apply, the ranks) for this process: under ``mlx.launch`` with several ranks
+    the target is split (``sharding``, by default the model's choice); alone, nothing is."""
+    group = mx.distributed.init()
+    if group.size() > 1:
+        return sharding or "auto", RankGroup(group)
+    return None, None
+
+
 @dataclass
 class Outcome:
     row: RowState
@@ -86,12 +95,7 @@ class Session:
         """``merged``: without a drafter directory, use an assistant merged into the checkpoint.
         ``sharding``: "pipeline", "tensor" or "auto" (the default under ``mlx.launch`` with several
         ranks): the target split over the ranks by mlx-lm's sharding, the drafter whole on each."""
-        group = mx.distributed.init()
-        ranks = None
-        if group.size() > 1:
-            sharding, ranks = sharding or "auto", RankGroup(group)
-        elif sharding is not None:
-            sharding = None  # one rank: nothing to split
+        sharding, ranks = placed(sharding)
         model, tokenizer, _ = load_target(model_dir, sharding=sharding)
         target = wrap_target(model)
         kwargs["ranks"] = ranks

@@ -169,6 +169,10 @@ def test_bench_json(pair_31b, tmp_path, capsys):
             assert {"acceptance_rate", "tokens_per_round"} <= set(entry)
         if entry["engine"] in ("mtp", "oracle") and entry["draft_tokens"] != "auto":
             assert entry["achieved_over_bound"] > 0 and entry["verify_ms"] > 0 and entry["decode_ms"] > 0
+            # a round's cost in no-draft plain steps: its tokens over its gain on the no-draft loop
+            assert entry["round_plain_steps"] == pytest.approx(entry["tokens_per_round"] / entry["speedup_vs_no_draft"])
+        elif entry["engine"] in ("plain", "no-draft") or entry["draft_tokens"] == "auto":
+            assert "round_plain_steps" not in entry  # baselines have no rounds; auto mixes depths
 
 
 def test_bench_batch_sweep_and_plot(pair_31b, tmp_path):

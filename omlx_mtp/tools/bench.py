@@ -157,6 +157,11 @@ def _with_bounds(entries: list[dict], costs: dict, K, samples: dict) -> None:
         runs = samples[entry["engine"]]
         entry["speedup_vs_plain"] = _paired_ratio(runs, samples["plain"])
         entry["speedup_vs_no_draft"] = _paired_ratio(runs, samples[NO_DRAFT])
+        if K != "auto" and entry["engine"] not in (*BASELINES, PEER) and entry.get("tokens_per_round") and \
+                entry["speedup_vs_no_draft"] > 0:
+            # What a round at this depth costs in the no-draft loop's plain steps: the t(k) that
+            # auto weighs against a round's tokens (verify costs step where kernels change tiles).
+            entry["round_plain_steps"] = entry["tokens_per_round"] / entry["speedup_vs_no_draft"]
         if (K == "auto" or entry["engine"] in BASELINES or "tokens_per_round" not in entry or entry["engine"] == PEER
                 or not costs.get("decode_ms")):  # (no decode time: every request ended at its first token)
             continue
@@ -330,6 +335,8 @@ def _row(e: dict) -> str:
         line += f" (x{e['speedup_vs_no_draft']:.2f} no-draft)"
     if "acceptance_rate" in e:
         line += f"  accept {e['acceptance_rate']:.0%}  {e['tokens_per_round']:.2f} tok/round"
+    if "round_plain_steps" in e:
+        line += f"  round {e['round_plain_steps']:.2f} steps"
     if "speedup_bound" in e:
         line += f"  bound x{e['speedup_bound']:.2f}  achieved/bound {e['achieved_over_bound']:.2f}"
     if e.get("draft_tokens") == "auto" and "plain_share" in e:

@@ -4,8 +4,9 @@ Both engines run this package's loop on the same requests, in a rotated order, a
 MTP off (no drafts, pipelined plain stretches) and MTP as shipped (``auto``) or at a fixed depth.
 Every round is kept (``SpeculativeDecoder.timeline``).  The difference in decode time is split
 into its causes, each priced against MTP off's own seconds per plain step: drafting rounds and
-probes (their seconds less what their tokens cost plainly), plain stretches (slower per step than
-MTP off's), rounds that traced a graph, and work between rounds.  A negative share is a gain.
+probes (their seconds less what their tokens cost plainly), what a round right after a plain
+stretch takes over its depth's usual round (switching from plain), plain stretches (slower per step
+than MTP off's), rounds that traced a graph, and work between rounds.  A negative share is a gain.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ..decode.requests import Request
 from ..fixtures.demo import PROMPTS, demo_pair
 from .session import Session, regime, rotated
 
-CAUSES = ("drafting rounds", "probes", "plain stretches", "tracing", "between rounds")
+CAUSES = ("drafting rounds", "probes", "switching from plain", "plain stretches", "tracing", "between rounds")
 
 
 def _run(session: Session, groups: list[list[Request]], draft_tokens) -> tuple[float, list, int]:
@@ -42,16 +43,29 @@ def _run(session: Session, groups: list[list[Request]], draft_tokens) -> tuple[f
 
 
 def breakdown(seconds: float, rounds: list, plain_step: float) -> dict:
-    """Seconds each cause added over MTP off (``plain_step``: its seconds per step of the batch)."""
+    """Seconds each cause added over MTP off (``plain_step``: its seconds per step of the batch).
+    A drafting round right after a plain stretch is split: what it took over the median round of
+    its depth and batch that followed another drafting round is the switch's (None to compare
+    with: all of it stays with its round)."""
     out = dict.fromkeys(CAUSES, 0.0)
-    for r in rounds:
+    steady = {}
+    for before, r in zip([None, *rounds], rounds):
+        if r.kind != "plain" and not r.traced and before is not None and before.kind != "plain":
+            steady.setdefault((r.depth, r.rows), []).append(r.seconds)
+    for before, r in zip([None, *rounds], rounds):
+        took = r.seconds
         if r.traced:
             cause = "tracing"
         elif r.kind == "plain":
             cause = "plain stretches"
         else:
             cause = "probes" if r.kind == "probe" else "drafting rounds"
-        out[cause] += r.seconds - (r.tokens / r.rows) * plain_step  # tokens per row = plain steps saved
+            usual = steady.get((r.depth, r.rows))
+            if before is not None and before.kind == "plain" and usual:
+                switch = max(took - statistics.median(usual), 0.0)
+                out["switching from plain"] += switch
+                took -= switch
+        out[cause] += took - (r.tokens / r.rows) * plain_step  # tokens per row = plain steps saved
     out["between rounds"] = seconds - sum(r.seconds for r in rounds)
     return out
 
@@ -98,7 +112,7 @@ def run_timeline(model=None, drafter=None, draft_tokens="auto", batch: int = 1, 
     print(f"MTP speed over MTP off: x{report['mtp_over_off']:.2f}")
     print("time MTP added (+) or saved (-), as a share of MTP off's time:")
     for cause in CAUSES:
-        print(f"  {cause:<16} {100 * added[cause]:+6.1f}%")
+        print(f"  {cause:<20} {100 * added[cause]:+6.1f}%")
     print("rounds per run: " + ", ".join(f"{k} {v:g}" for k, v in report["rounds_per_run"].items())
           + " (plain: steps); traced: " + ", ".join(f"{k} {v:g}" for k, v in report["traced_rounds_per_run"].items()))
     return 0

@@ -9,20 +9,24 @@ these shapes also pays the trace, spread over the tokens it can serve.  A depth'
 
     tau(k) = t(k) / E(k) + trace(k) / tokens it serves      (plain steps per token; plain: 1)
 
-1. Draft when the lowest price, from the means, beats plain by ``margin``.  One depth past the
-   deepest run may be chosen, its cost and acceptance extrapolated from its neighbours.
+1. Draft when the lowest price, from the means, beats plain by ``margin``; leaving plain steps
+   adds the switch (below) over the next ``horizon`` tokens.  One depth past the deepest run may
+   be chosen, its cost and acceptance extrapolated from its neighbours.
 2. Otherwise probe only where finding out pays: read every s_i one standard deviation up and
    every t(k) one standard error down, and run the probe whose expected saving (the knowledge
    gradient: how far one round may move the price below plain, over the next ``horizon``
-   tokens the request has left) exceeds what the round loses.  Where even perfect drafts lose,
-   or few tokens are left, nothing is probed.
+   tokens the request has left) exceeds what the round loses, the switch included.  Where even
+   perfect drafts lose, or few tokens are left, nothing is probed.
 3. While plain steps run, the counts fade (their means kept, their weight shrinking), so the
    uncertainty grows back and a long request eventually looks again; evidence against drafting
    makes that take longer.
 
-Times are robust to stalls elsewhere on the machine: a plain step's estimate moves down faster
-than up, a round over 2.5 times its estimate counts as 2.5 times it, and drafting rounds far off
-their line three times running ask for plain steps to be timed again.  Costs belong to a batch
+A round right after plain steps runs with caches they left cold.  It is held: followed by a round
+at its depth, what it took over that one is the switch (so a first round that struck a stall costs
+the line nothing); followed by anything else, it joins the line less the switch.  Times are robust
+to stalls elsewhere on the machine: a plain step's estimate moves down faster than up, a round over
+2.5 times its estimate counts as 2.5 times it, and drafting rounds far off their line three times
+running ask for plain steps to be timed again.  Costs belong to a batch
 size and context length (``RoundCosts``), shared by every request; a new one starts from the
 nearest one measured, weighed as one round.  Every rank of a sharded target observes rank 0's
 times, so choices are deterministic from the same inputs.
@@ -53,10 +57,14 @@ class RoundCosts:
     plain_age: int = 0  # drafting rounds since plain steps were timed
     refreshes: int = 0  # timings of plain steps after the first
     decoded: int = 0  # tokens decoded at these shapes so far
-    stale: bool = False  # plain steps must be timed again before they are trusted
+    stale: bool = False  # plain steps must be timed again before they are trusted ...
+    retiming: int = 0  # ... and while so many of them are still to come, their mean replaces the estimate
+    _retimed: int = 0  # steps of that timing seen so far
     noise: float = 0.0625  # mean squared relative deviation of a drafting round from its estimate (25%)
+    switch: float = 0.0  # plain steps a drafting round right after plain steps takes over the next one (EMA)
     _fit: list = field(default_factory=lambda: [0.0] * 5)  # decayed sums: weight, k, k^2, t, k*t
     _off: int = 0  # drafting rounds in a row far off their estimate
+    _held: tuple | None = None  # (depth, plain steps) of a round right after plain steps, not yet in the line
 
     @property
     def plain(self) -> float | None:
@@ -66,14 +74,26 @@ class RoundCosts:
     def drafting_known(self) -> bool:
         return self._fit[0] > 0
 
-    def observe(self, k: int, seconds: float, traced: bool = False) -> None:
+    def observe(self, k: int, seconds: float, traced: bool = False, switched: bool = False) -> None:
+        """A round of depth k (0: one plain step) took ``seconds`` per step; ``switched``: it came
+        right after plain steps (or first in a request), which left the caches cold for it.  Such
+        a round is held: followed by one at its depth, what it took over that one is the switch's
+        (a first round that struck a stall costs the line nothing); followed by anything else, it
+        joins the line less the switch."""
         if k:
             self.traced.add(k)
         plain = self.plain
+        held, self._held = self._held, None
+        if held is not None and (k != held[0] or switched or traced):
+            self._add(*held)
         if k == 0:
             if not traced:
-                if plain is None:
-                    self.times[0] = seconds
+                if plain is None or self.retiming:  # the first step timed, or a timing that replaces
+                    self._retimed = self._retimed + 1 if plain is not None else 1
+                    self.times[0] = seconds if self._retimed == 1 else plain + (seconds - plain) / self._retimed
+                    self.retiming = max(self.retiming - 1, 0)
+                    if not self.retiming:
+                        self._retimed = 0
                 else:
                     weight = self.smoothing if seconds > plain else self.speedup
                     self.times[0] = plain + weight * (min(seconds, self.outlier * plain) - plain)
@@ -82,11 +102,24 @@ class RoundCosts:
         if plain is None:
             return
         relative = seconds / plain
-        expected = self.relative(k)
         if traced:  # the round's excess over its estimate is what tracing cost
-            excess = max(relative - (expected or relative), 0.0)
-            self.trace += 0.5 * (excess - self.trace)
+            expected = self.relative(k)
+            self.trace += 0.5 * (max(relative - (expected or relative), 0.0) - self.trace)
             return
+        self.times[k] = relative
+        self.plain_age += 1
+        if switched:
+            self._held = (k, relative)
+            return
+        if held is not None:  # a stall in either round counts as one round's worth at most
+            self.switch += 0.2 * (min(max(held[1] - relative, -relative), relative) - self.switch)
+        self._add(k, relative, switched=False)
+
+    def _add(self, k: int, relative: float, switched: bool = True) -> None:
+        """One round into the line (a held one less the switch), its deviation into the noise."""
+        if switched:
+            relative = max(relative - self.switch_cost, 0.1)
+        expected = self.relative(k)
         if expected is not None:
             relative = min(relative, self.outlier * expected)
             self.noise += 0.1 * ((relative / expected - 1.0) ** 2 - self.noise)
@@ -95,9 +128,11 @@ class RoundCosts:
             self._off = self._off + 1 if abs(relative / expected - 1.0) > 0.25 else 0
             if self._off >= 3:
                 self.stale, self._off = True, 0
-        self.times[k] = relative
-        self.plain_age += 1
         self._fit = [self.fit_decay * a + b for a, b in zip(self._fit, (1.0, k, k * k, relative, k * relative))]
+
+    @property
+    def switch_cost(self) -> float:
+        return max(self.switch, 0.0)
 
     def relative(self, k: int) -> float | None:
         """t(k) in plain steps (None before any drafting round was timed)."""
@@ -133,6 +168,7 @@ class RoundCosts:
         weight = self._fit[0]  # its drafting line worth one round: the first rounds here overrule it
         return RoundCosts(smoothing=self.smoothing, speedup=self.speedup, fit_decay=self.fit_decay,
                           outlier=self.outlier, times=dict(self.times), trace=self.trace, noise=self.noise, stale=True,
+                          switch=self.switch,
                           _fit=[x / weight for x in self._fit] if weight > 1 else list(self._fit))
 
 
@@ -246,6 +282,7 @@ class DepthController:
     _untimed: bool = False  # a timing's stretch went untimed (it traced its graph)
     _positions: PositionCounts | None = None  # this request's acceptance per draft position
     _faded: float = 1.0  # what plain steps left of the evidence (the prior's weight fades alike)
+    _last: int | None = None  # depth of the last round (0: a plain step; None: none yet)
 
     def __post_init__(self):
         self._positions = PositionCounts(self.decay)
@@ -293,8 +330,11 @@ class DepthController:
         cost = {k: self.costs.relative(k) for k in depths}  # t(k), from the line once per choice
         expected = self.expected_tokens([m for m, _ in estimates])
         mean = self._prices(cost, expected, left)
+        # Leaving plain steps pays the switch once, spread over the tokens a drafting run may serve.
+        switch = self.costs.switch_cost if self._last in (None, 0) else 0.0
+        horizon = min(left, self.horizon)
         best = min(mean, key=mean.get)
-        if not below and mean[best] * self.margin < 1.0:
+        if not below and (mean[best] + switch / horizon) * self.margin < 1.0:
             return best
         if below:
             return 0
@@ -303,13 +343,12 @@ class DepthController:
         if min(t / (k + 1) for k, t in cheaper.items()) >= 1.0:  # even perfect drafts lose
             return 0
         optimistic = self._prices(cheaper, self.expected_tokens([_optimistic(m, n) for m, n in estimates]), left)
-        horizon = min(left, self.horizon)
         net = {}
         for k in depths:
             looked_at = expected[k - 1]  # drafts a round of k looks at, on average
             saving = probe_value(mean[k], optimistic[k], looked_at / (estimates[0][1] + looked_at)) * horizon
             # what the probe round loses against plain steps, at least the margin drafting must promise
-            loss = max(cost[k] - expected[k], (self.margin - 1.0) * expected[k])
+            loss = max(cost[k] + switch - expected[k], (self.margin - 1.0) * expected[k])
             net[k] = saving - loss - self.costs.trace_cost(k)
         probe = max(net, key=net.get)
         if net[probe] > 0:
@@ -335,6 +374,9 @@ class DepthController:
             due = min(self.refresh_every, 8 << self.costs.refreshes)
             if unknown or self.costs.stale or self.costs.plain_age >= due:
                 self.costs.refreshes += not unknown
+                # Drafting rounds far off their line say the machine's speed moved: the timing
+                # replaces the plain step's estimate rather than nudge it.
+                self.costs.retiming = self.plain_steps if self.costs.stale else 0
                 self._measure = self.plain_steps
                 self._timings += unknown
                 self._untimed = False
@@ -350,8 +392,9 @@ class DepthController:
         self.costs.decoded += sum(n + 1 for n in accepted) if k else 1
         if k == 0 and (seconds is None or traced):
             self._untimed = True
+        switched, self._last = bool(k) and self._last in (None, 0), k
         if seconds is not None:
-            self.costs.observe(k, seconds, traced)
+            self.costs.observe(k, seconds, traced, switched)
             if k and self.probing:
                 self.costs.plain_age += self.probe_age - 1
         elif k:

@@ -240,6 +240,18 @@ def test_drafting_that_wins_keeps_winning_while_the_machine_speed_swings():
     assert auto >= 2.0 * plain_only
 
 
+def test_a_machine_that_slows_for_good_is_timed_again_and_drafting_goes_on():
+    """Another process halves the machine's speed for good just after plain steps were timed: every
+    drafting round then looks twice as dear as it is.  Three rounds far off their line ask for plain
+    steps to be timed again; a timing that only nudged the estimate (a slower step moves it by 3%)
+    left drafts that win off for 248 steps (0.94 of the best depth); one that replaces it keeps 0.97."""
+    c = WINNING["a marginal gain"]
+    best = best_fixed_rate(c["acceptance"], 1.0, c["round_cost"], 8) / 2  # at half speed
+    speed, chosen = simulate(DepthController(max_depth=8), c["acceptance"], 1.0, c["round_cost"], tokens=3000,
+                             speed=lambda clock: 1.0 if clock < 10.0 else 2.0)
+    assert speed >= 0.97 * best and chosen.count(0) < 120
+
+
 def test_plain_steps_are_measured_first_and_again_later():
     controller = DepthController(max_depth=4, plain_steps=4, refresh_every=20)
     _, chosen = simulate(controller, 0.9, 1.0, lambda k: 1.1 + 0.1 * k, tokens=400)

@@ -26,10 +26,10 @@ at its depth, what it took over that one is the switch (so a first round that st
 the line nothing); followed by anything else, it joins the line less the switch.  Times are robust
 to stalls elsewhere on the machine: a plain step's estimate moves down faster than up, a round over
 2.5 times its estimate counts as 2.5 times it, and drafting rounds far off their line three times
-running ask for plain steps to be timed again.  Costs belong to a batch
-size and context length (``RoundCosts``), shared by every request; a new one starts from the
-nearest one measured, weighed as one round.  Every rank of a sharded target observes rank 0's
-times, so choices are deterministic from the same inputs.
+running have plain steps timed again (that timing replaces the estimate).  Costs belong to a batch
+size and context length (``RoundCosts``), shared by every request; a new one starts from the nearest
+one measured, weighed as one round.  Every rank of a sharded target observes rank 0's times, so
+choices are deterministic from the same inputs.
 """
 
 from __future__ import annotations
@@ -113,11 +113,11 @@ class RoundCosts:
             return
         if held is not None:  # a stall in either round counts as one round's worth at most
             self.switch += 0.2 * (min(max(held[1] - relative, -relative), relative) - self.switch)
-        self._add(k, relative, switched=False)
+        self._add(k, relative, held=False)
 
-    def _add(self, k: int, relative: float, switched: bool = True) -> None:
+    def _add(self, k: int, relative: float, held: bool = True) -> None:
         """One round into the line (a held one less the switch), its deviation into the noise."""
-        if switched:
+        if held:
             relative = max(relative - self.switch_cost, 0.1)
         expected = self.relative(k)
         if expected is not None:

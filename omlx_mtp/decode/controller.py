@@ -89,7 +89,7 @@ class RoundCosts:
         if k == 0:
             if not traced:
                 if plain is None or self.retiming:  # the first step timed, or a timing that replaces
-                    self._retimed = self._retimed + 1 if plain is not None else 1
+                    self._retimed += 1  # 0 outside a timing that replaces
                     self.times[0] = seconds if self._retimed == 1 else plain + (seconds - plain) / self._retimed
                     self.retiming = max(self.retiming - 1, 0)
                     if not self.retiming:

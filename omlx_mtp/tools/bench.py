@@ -157,13 +157,13 @@ def _with_bounds(entries: list[dict], costs: dict, K, samples: dict) -> None:
         runs = samples[entry["engine"]]
         entry["speedup_vs_plain"] = _paired_ratio(runs, samples["plain"])
         entry["speedup_vs_no_draft"] = _paired_ratio(runs, samples[NO_DRAFT])
-        if K != "auto" and entry["engine"] not in (*BASELINES, PEER) and entry.get("tokens_per_round") and \
-                entry["speedup_vs_no_draft"] > 0:
+        if K == "auto" or entry["engine"] in (*BASELINES, PEER) or "tokens_per_round" not in entry:
+            continue
+        if entry["speedup_vs_no_draft"] > 0:
             # What a round at this depth costs in the no-draft loop's plain steps: the t(k) that
-            # auto weighs against a round's tokens (verify costs step where kernels change tiles).
+            # auto weighs against a round's tokens.
             entry["round_plain_steps"] = entry["tokens_per_round"] / entry["speedup_vs_no_draft"]
-        if (K == "auto" or entry["engine"] in BASELINES or "tokens_per_round" not in entry or entry["engine"] == PEER
-                or not costs.get("decode_ms")):  # (no decode time: every request ended at its first token)
+        if not costs.get("decode_ms"):  # no decode time: every request ended at its first token
             continue
         draft_ms = 0.0 if entry["engine"] == "oracle" else costs.get("draft_ms", 0.0)
         bound = speedup_bound(entry["tokens_per_round"], K, costs, draft_ms)

@@ -332,6 +332,46 @@ def test_a_round_right_after_plain_steps_that_costs_more_does_not_make_drafting_
     assert costs.switch == pytest.approx(1.5, abs=0.2)  # from rounds that followed one at their depth
 
 
+def test_a_few_unlucky_rounds_early_in_a_process_do_not_keep_its_later_requests_plain():
+    """A server's first drafting rounds meet text its drafts miss (the first eight keep 30%), then
+    every request drafts well (72%, the demo pair with OpenBLAS: x1.2 at the best depth).  What
+    the first rounds showed was every later request's prior and never aged while they decoded
+    plainly: the old controller decoded the remaining 28 requests plainly (0.84 of the best depth,
+    as the real loop did for 28 requests in a row).  Aged by the plain steps of every request of
+    the kind, it looks again within a few requests and keeps 0.9 of the best depth."""
+    cost = lambda k: 1.35 + 0.28 * k
+    best = best_fixed_rate(0.72, 1.0, cost, 8)
+    for seed in (0, 100):
+        costs, memory, seconds, rounds, drafted = RoundCosts(), AcceptanceMemory(), 0.0, [0], []
+        for i in range(30):
+            def acceptance(_):
+                rounds[0] += 1
+                return 0.3 if rounds[0] <= 8 else 0.72
+            speed, chosen = simulate(DepthController(max_depth=8, costs=costs, memory=memory), acceptance, 1.0,
+                                     cost, tokens=96, seed=seed + i, noise=0.2)
+            seconds, drafted = seconds + 96 / speed, drafted + [sum(k > 0 for k in chosen)]
+        assert best > 1.15 and 30 * 96 / seconds >= 0.9 * best
+        assert min(drafted[-20:]) > 10  # every one of the last twenty requests drafts
+
+
+def test_one_slow_round_at_a_rarely_run_depth_does_not_tilt_the_line():
+    """Twenty rounds at depth 1 pin the line; then one round at depth 2 strikes a slow phase of
+    the machine (eight plain steps).  Taken in at 2.5 times its estimate and fitted by least
+    squares alone, it tilted the line to t(2) = 4.0 and t(3) = 6.6 plain steps, and drafting
+    stayed off for the rest of the process (seen on the real loop: t = 1.94, 4.03, 6.13).  Clipped
+    harder once the line is pinned, and with the slope leaning on depth 1's own excess, t(2)
+    stays near what it is."""
+    costs = RoundCosts()
+    costs.observe(0, 1.0)
+    for _ in range(20):
+        costs.observe(1, 1.4)
+    costs.observe(2, 8.0)
+    assert costs.relative(1) == pytest.approx(1.4, abs=0.05) and costs.relative(2) <= 2.1
+    for _ in range(5):  # rounds that show depth 2's own cost move the line to it
+        costs.observe(2, 1.7)
+    assert costs.relative(2) == pytest.approx(1.7, abs=0.15)
+
+
 def test_probes_grow_rarer_as_evidence_builds_and_accepted_ones_bring_drafting_back():
     """Where good drafts would win but drafts are being rejected, plain decoding runs and probes
     look again; as rejections pile up they come further apart.  Once probes are accepted, drafting

@@ -19,17 +19,19 @@ these shapes also pays the trace, spread over the tokens it can serve.  A depth'
    perfect drafts lose, or few tokens are left, nothing is probed.
 3. While plain steps run, the counts fade (their means kept, their weight shrinking), so the
    uncertainty grows back and a long request eventually looks again; evidence against drafting
-   makes that take longer.
+   makes that take longer.  What earlier requests of the kind showed (the prior) fades too, more
+   slowly, so a few unlucky rounds do not keep a whole process plain.
 
-A round right after plain steps runs with caches they left cold.  It is held: followed by a round
-at its depth, what it took over that one is the switch (so a first round that struck a stall costs
-the line nothing); followed by anything else, it joins the line less the switch.  Times are robust
-to stalls elsewhere on the machine: a plain step's estimate moves down faster than up, a round over
-2.5 times its estimate counts as 2.5 times it, and drafting rounds far off their line three times
-running have plain steps timed again (that timing replaces the estimate).  Costs belong to a batch
-size and context length (``RoundCosts``), shared by every request; a new one starts from the nearest
-one measured, weighed as one round.  Every rank of a sharded target observes rank 0's times, so
-choices are deterministic from the same inputs.
+A round right after plain steps may run with caches they left cold.  It is held: followed by a
+round at its depth, what it took over that one is the switch (so a first round that struck a stall
+costs the line nothing); followed by anything else, it joins the line less the switch.  Times are
+robust to stalls elsewhere on the machine: a plain step's estimate moves down faster than up, a step
+over 2.5 times its estimate counts as 2.5 times it (a drafting round, once four rounds pin the line:
+1.5), the line's slope leans on one depth's own excess, and drafting rounds far off their line three
+times running have plain steps timed again (that timing replaces the estimate).  Costs belong to a
+batch size and context length (``RoundCosts``), shared by every request; a new one starts from the
+nearest one measured, weighed as one round.  Every rank of a sharded target observes rank 0's times,
+so choices are deterministic from the same inputs.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ class RoundCosts:
     smoothing: float = 0.03  # EMA weight of a slower plain step's time (a stretch of eight: a fifth) ...
     speedup: float = 0.1  # ... and of a faster one's: a stall only ever adds time
     fit_decay: float = 0.95  # for the line through drafting rounds (about twenty rounds)
-    outlier: float = 2.5  # a time over this many times its estimate is a stall, counted as this many
+    outlier: float = 2.5  # a plain step over this many times its estimate is a stall, counted as this many ...
+    round_outlier: float = 1.5  # ... and a drafting round, once the line is pinned down
     times: dict = field(default_factory=dict)  # 0: seconds per plain step; k > 0: last round at k, plain steps
     traced: set = field(default_factory=set)  # depths run (their graphs exist) at these shapes
     trace: float = DEFAULT_TRACE  # plain steps a trace adds to its round
@@ -121,7 +124,9 @@ class RoundCosts:
             relative = max(relative - self.switch_cost, 0.1)
         expected = self.relative(k)
         if expected is not None:
-            relative = min(relative, self.outlier * expected)
+            # A line pinned by several rounds clips harder: one slow round at a rarely run depth
+            # would tilt it; a line carried from other shapes must be overruled quickly.
+            relative = min(relative, (self.round_outlier if self._fit[0] >= 4 else self.outlier) * expected)
             self.noise += 0.1 * ((relative / expected - 1.0) ** 2 - self.noise)
             # Three rounds in a row a quarter off their estimate: the machine's speed moved since
             # plain steps were timed, and they are timed again.
@@ -143,10 +148,11 @@ class RoundCosts:
             return None
         mean_k, mean_t = sk / w, st / w
         spread = skk / w - mean_k * mean_k
-        if spread > 1e-6:  # two depths or more: the fitted line
-            slope = max((skt / w - mean_k * mean_t) / spread, 0.0)
-        else:  # one depth: its excess over a plain step, spread over its positions
-            slope = max((mean_t - 1.0) / (mean_k + 1.0), 0.05)
+        # One depth alone: its excess over a plain step, spread over its positions.  More depths
+        # fit a line, leaning on that slope as much as one round at a neighbouring depth would, so
+        # that one slow round at a rarely run depth cannot tilt a line the others pinned down.
+        lone = max((mean_t - 1.0) / (mean_k + 1.0), 0.05)
+        slope = max((skt - sk * mean_t + lone) / (spread * w + 1.0), 0.0)
         return max(mean_t + slope * (k - mean_k), 0.1)
 
     def optimism(self) -> float:
@@ -224,14 +230,20 @@ class AcceptanceMemory:
     short requests do not each pay rounds to learn it again."""
 
     counts: PositionCounts = field(default_factory=lambda: PositionCounts(decay=0.99))  # a few requests' rounds
+    fading: float = 0.999  # per plain step of a request of this kind: evidence halves in about 350
 
     def observe(self, k: int, accepted: list[int]) -> None:
         self.counts.observe(k, accepted)
 
+    def fade(self) -> None:
+        """A plain step of a request of this kind: what drafting showed ages for the whole process,
+        so that a few unlucky rounds early on do not keep every later request from looking again."""
+        self.counts.fade(self.fading)
+
     def prior(self, depth: int, prior: float, weight: float) -> tuple[list[float], float] | None:
         """(s_i for positions 1..depth, evidence worth at most ``weight`` drafts) once any round was
-        seen (None before)."""
-        if not self.counts.trials or self.counts.trials[0] < 1.0:
+        seen (None before); faded evidence keeps its means."""
+        if not self.counts.trials:
             return None
         return [m for m, _ in self.counts.estimates(depth, prior, 2.0)], min(weight, self.counts.trials[0])
 
@@ -296,8 +308,8 @@ class DepthController:
         remembered = self.memory.prior(self.max_depth, self.prior, self.memory_weight) if self.memory else None
         if remembered is None:
             return self._positions.estimates(self.max_depth, self.prior, self.prior_weight * self._faded)
-        priors, weight = remembered
-        return self._positions.estimates(self.max_depth, self.prior, max(weight, self.prior_weight) * self._faded,
+        priors, weight = remembered  # the memory fades on its own while plain steps run
+        return self._positions.estimates(self.max_depth, self.prior, max(weight, self.prior_weight * self._faded),
                                          priors)
 
     def position_acceptance(self) -> list[float]:
@@ -402,6 +414,8 @@ class DepthController:
         if k == 0 or not accepted:  # uncertainty grows back while no drafts are seen
             self._positions.fade(self.fade)
             self._faded = max(self._faded * self.fade, 0.05)
+            if self.memory is not None:
+                self.memory.fade()
             return
         if self.memory is not None:
             self.memory.observe(k, accepted)

@@ -289,12 +289,14 @@ class DepthController:
     probe_age: int = 4  # ... a probe counting as this many (probes run near break-even, where t(0) matters most)
     default_tokens_left: int = 256  # when the caller does not say how many tokens a request has left
     probing: bool = False  # the last choice was a probe (plain won, drafting was tried to find out)
+    recheck: int = 8  # plain steps per choice while plain wins (a choice costs a few percent of a step)
     _measure: int = 0  # plain steps still to take for a timing
     _timings: int = 0  # timings begun while no plain time was known
     _untimed: bool = False  # a timing's stretch went untimed (it traced its graph)
     _positions: PositionCounts | None = None  # this request's acceptance per draft position
     _faded: float = 1.0  # what plain steps left of the evidence (the prior's weight fades alike)
     _last: int | None = None  # depth of the last round (0: a plain step; None: none yet)
+    _plain_left: int = 0  # plain steps still to take before choosing again
 
     def __post_init__(self):
         self._positions = PositionCounts(self.decay)
@@ -328,13 +330,17 @@ class DepthController:
         self.probing = False
         if self.max_depth == 0:
             return 0
-        estimates = self.estimates()
-        below = estimates[0][0] < self.min_acceptance
         if self.fixed:  # below min_acceptance, plain until the first draft may again be kept often enough
-            self.probing = below
+            estimates = self.estimates()
+            self.probing = estimates[0][0] < self.min_acceptance
             return 0 if _optimistic(*estimates[0]) < self.min_acceptance else self.max_depth
         if self._timing_plain():
             return 0
+        if self._plain_left:  # plain won a few steps ago, and what decided it moves slowly
+            self._plain_left -= 1
+            return 0
+        estimates = self.estimates()
+        below = estimates[0][0] < self.min_acceptance
         if self.costs.plain is None or not self.costs.drafting_known:  # nothing to compare yet: try one depth
             return min(2, self.max_depth)
         left = max(tokens_left if tokens_left is not None else self.default_tokens_left, 1)
@@ -348,9 +354,11 @@ class DepthController:
         best = min(mean, key=mean.get)
         if not below and (mean[best] + switch / horizon) * self.margin < 1.0:
             return best
+        # Plain wins on what is known: the next choices are made after ``recheck`` plain steps.
+        self._plain_left = self.recheck - 1
         if below:
             return 0
-        # Plain wins on what is known.  Probe where finding out may pay over the tokens left.
+        # Probe where finding out may pay over the tokens left.
         cheaper = {k: t * self.costs.optimism() for k, t in cost.items()}
         if min(t / (k + 1) for k, t in cheaper.items()) >= 1.0:  # even perfect drafts lose
             return 0
@@ -364,7 +372,7 @@ class DepthController:
             net[k] = saving - loss - self.costs.trace_cost(k)
         probe = max(net, key=net.get)
         if net[probe] > 0:
-            self.probing = True
+            self.probing, self._plain_left = True, 0
             return probe
         return 0
 

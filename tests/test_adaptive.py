@@ -312,9 +312,10 @@ def test_a_first_round_that_strikes_a_stall_does_not_send_a_good_drafter_away():
 
 
 def test_a_round_right_after_plain_steps_that_costs_more_does_not_make_drafting_look_like_a_loss():
-    """On a CPU the first drafting round after plain steps runs with caches the plain steps left
-    cold (the demo pair with OpenBLAS: 2.41 plain steps at K=2 against 1.69 for the rounds after
-    it), and every probe is such a round.  Requests whose drafts win x1.13, then ones whose drafts
+    """Where the first drafting round after plain steps runs with caches the plain steps left cold
+    (first read from the demo pair's timeline with OpenBLAS, 2.41 plain steps at K=2 against 1.69,
+    though a fixed schedule later showed no such gap there), every probe is such a round.
+    Requests whose drafts win x1.13, then ones whose drafts
     lose, then winning ones again.  Taken into the cost line as they came, those rounds kept
     drafting off from the first request on (0.89 of the best depth); held, the switch measured
     from the round after, and charged once where drafting starts, the winning requests keep 0.93

@@ -102,6 +102,14 @@ def chat(url: str, content: str, stream: bool = False) -> str:
     return text
 
 
+def chat_usage(url: str, system: str, content: str) -> tuple[str, dict]:
+    """(answer, usage) of a chat with a system prompt."""
+    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": content}],
+            "max_tokens": MAX_TOKENS, "temperature": 0}
+    reply = json.loads(_post(url, "/v1/chat/completions", body))
+    return reply["choices"][0]["message"]["content"], reply["usage"]
+
+
 def disconnect_mid_stream(url: str, content: str) -> None:
     """Start a long streamed answer, read its first events, and hang up."""
     import http.client
@@ -197,6 +205,20 @@ def test_four_concurrent_requests_equal_and_draft(servers, expected):
     assert got == expected[False]
     lines = request_lines(mtp.log)[before:]
     assert len(lines) == len(PROMPTS) and all(int(accepted) > 0 for *_, accepted, _ in lines), lines
+
+
+def test_a_shared_system_prompt_is_served_from_the_cache_filed_at_its_end(servers):
+    """The demo Qwen3.5's caches can't be trimmed: a second chat with the first one's system
+    prompt finds a cached prefix only if the cache at the system prompt's end was filed.  It is,
+    as by mlx-lm's own generator: the same answers, the same cached tokens reported."""
+    system = "You are a terse assistant that writes Python."
+    got = {}
+    for name in ("reference", "mtp"):
+        chat_usage(servers[name].url, system, "class Queue:")
+        got[name] = chat_usage(servers[name].url, system, "def parse_args(argv):")
+    cached = {name: (usage.get("prompt_tokens_details") or {}).get("cached_tokens") for name, (_, usage) in got.items()}
+    assert got["mtp"][0] == got["reference"][0]
+    assert cached["mtp"] == cached["reference"] and cached["mtp"] > 0, cached
 
 
 def test_model_without_mtp_serves_plainly_and_says_why(servers, expected):

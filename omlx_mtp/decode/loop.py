@@ -134,39 +134,49 @@ class SpeculativeDecoder:
         logits = mx.concatenate([done[j][2] for j in pick], axis=0)
         return cache, hidden, logits
 
-    def _prefill_one(self, prompt: list[int], slack: int, cache=None, embeddings: PromptEmbeddings | None = None):
+    def _prefill_one(self, prompt: list[int], slack: int, cache=None, embeddings: PromptEmbeddings | None = None,
+                     previous: mx.array | None = None):
         """Run the prompt through the target (into ``cache`` when given, which must have room for
         a chunk: ``prefill_slack``); returns the cache with ``slack``, last hidden and logits.
-        A prompt with ``embeddings`` (images, audio) is prefilled by the host's own model, as oMLX
-        does, and its caches are taken over before the last token."""
+        ``previous``: the hidden state before the prompt, where an earlier ``prefill_part`` left
+        it.  A prompt with ``embeddings`` (images, audio) is prefilled by the host's own model, as
+        oMLX does, and its caches are taken over before the last token."""
         if not prompt:
             raise ValueError("empty prompt")
         if embeddings is not None:
             host = prefill_on_host(self.target.plain_model(), prompt, embeddings)
             cache, prompt = self.from_host(host, self.prefill_slack(slack), embeddings.rope_shift), prompt[-1:]
-        step = self.prefill_step
         if cache is None:
             cache = self.make_cache(1, slack=self.prefill_slack(slack))
-        tokens = mx.array(prompt, dtype=mx.int32)[None]
-        previous = None  # the hidden state before the chunk, where known
-        for start in range(0, len(prompt), step):
-            chunk = tokens[:, start : start + step]
-            last = start + step >= len(prompt)
-            hidden = self.target.hidden(chunk, cache)
-            if self.own_cache:
-                before = hidden[:, :1] if previous is None else previous  # a stand-in when unknown
-                self._absorb(cache, chunk, mx.concatenate([before, hidden[:, :-1]], axis=1), previous is None)
-                previous = hidden[:, -1:]
-            caches.advance(cache, chunk.shape[1])
-            if not last:
-                with self._watched():  # chunk by chunk: a lost rank ends this one, a long prompt does not
-                    mx.eval([c.state for c in cache])
-        hidden = hidden[:, -1:]
+        hidden = self.prefill_part(prompt, cache, previous)
         logits = self.target.head(hidden)
         caches.shrink_slack(cache, slack)
         with self._watched():
             mx.eval(hidden, logits, [c.state for c in cache])
         return cache, hidden, logits
+
+    def prefill_part(self, tokens: list[int], cache: list, previous: mx.array | None = None,
+                     settle: bool = False) -> mx.array:
+        """Part of a prompt into ``cache`` (room for a chunk: ``prefill_slack``), chunk by chunk;
+        returns the hidden state at its last position, the ``previous`` of the part after it.  A
+        drafter with its own K/V is handed (hidden at t - 1, token at t) for every position, the
+        first one's hidden state being ``previous`` (unknown where None: that entry is hidden).
+        ``settle``: evaluate the last chunk too (the caller reads the cache next)."""
+        step = self.prefill_step
+        tokens = mx.array(tokens, dtype=mx.int32)[None]
+        length = tokens.shape[1]
+        for start in range(0, length, step):
+            chunk = tokens[:, start : start + step]
+            hidden = self.target.hidden(chunk, cache)
+            if self.own_cache:
+                before = hidden[:, :1] if previous is None else previous  # a stand-in when unknown
+                self._absorb(cache, chunk, mx.concatenate([before, hidden[:, :-1]], axis=1), previous is None)
+            previous = hidden[:, -1:]
+            caches.advance(cache, chunk.shape[1])
+            if start + step < length or settle:
+                with self._watched():  # chunk by chunk: a lost rank ends this one, a long prompt does not
+                    mx.eval(previous, [c.state for c in cache])
+        return previous
 
     def _watched(self):
         """With a sharded target, work whose collectives a lost rank would leave waiting forever

@@ -156,9 +156,7 @@ class MTPBatchGenerator:
     def _admit(self, p: "_Pending") -> list:
         decoder, batch, sparse = self.decoder, self.batch, p.sparse
         try:
-            slack = decoder.prefill_slack(batch.max_depth + 1)
-            shift = _rope_delta(self._plain_args["model"], p.uid) + sparse.adjustment  # SpecPrefill's, its own
-            cache = decoder.from_host(p.cache, slack, shift) if p.cache else decoder.make_cache(1, slack)
+            cache = p.ours if p.ours is not None else self._own_cache(p)
         except MTPError as exc:
             log.info("omlx-mtp: request uid %d decodes plain: %s", p.uid, exc)
             sparse.put_back()  # the host's own loop positions it through the wrappers
@@ -176,7 +174,7 @@ class MTPBatchGenerator:
         if row.processors.opaque:
             log.info("omlx-mtp: request uid %d takes one token per round: logits processor %s keeps state "
                      "that can't be rolled back", p.uid, type(row.processors.opaque[0]).__name__)
-        cache, hidden, logits = decoder._prefill_one(p.prompt, batch.max_depth + 1, cache=cache)
+        cache, hidden, logits = decoder._prefill_one(p.prompt, batch.max_depth + 1, cache=cache, previous=p.previous)
         tokens = batch.start([row], cache, hidden, logits)[0]
         out = self._responses(row, tokens, batch.first_logits, 0)
         if row.finish_reason is None:
@@ -186,6 +184,13 @@ class MTPBatchGenerator:
             first = mx.array([row.generated[0] if row.generated else row.stop_token])
             self._attach_cache(out[-1], row, decoder.cache_at(cache, first, row.cache_length))
         return out
+
+    def _own_cache(self, p: "_Pending") -> list:
+        """This loop's cache for a request about to prefill: its host cache (a prompt-cache hit)
+        taken over, or a new one.  MTPError where this loop can't hold the host's cache."""
+        slack = self.decoder.prefill_slack(self.batch.max_depth + 1)
+        shift = _rope_delta(self._plain_args["model"], p.uid) + p.sparse.adjustment  # SpecPrefill's, its own
+        return self.decoder.from_host(p.cache, slack, shift) if p.cache else self.decoder.make_cache(1, slack)
 
     def _insert_plain(self, p: "_Pending") -> list:
         self.counters.fell_back(CACHE)
@@ -255,6 +260,8 @@ class _Pending:
     stops: Any
     params: Any
     sparse: SparsePrefill  # SpecPrefill's RoPE adjustment for this request (empty: none)
+    ours: Any = None  # this loop's cache, already holding ``all_tokens`` (a prompt prefilled in segments)
+    previous: Any = None  # ... and the hidden state at its last position
 
 
 def _counted(rows) -> DecodeStats:

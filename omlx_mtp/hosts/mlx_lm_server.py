@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import deque
 from pathlib import Path
 
 import mlx.core as mx
@@ -34,6 +35,7 @@ from ..drafters import load_drafter, load_merged_drafter
 from ..errors import MTPError
 from ..targets import wrap_target
 from .batch_generator import MTPBatchGenerator
+from .prompt_segments import PromptProgress, StagedPrompt, split_segments
 from .settings import MTPSettings, load_file, validate
 from .strategy import MTPStrategy
 
@@ -123,25 +125,31 @@ class RequestSampler:
 
 
 class ServerMTPBatchGenerator(MTPBatchGenerator):
-    """``MTPBatchGenerator`` with the rest of the API mlx-lm's server drives: ``insert_segments``,
-    ``next()`` as (prompt responses, generation responses), ``prompt_cache_nbytes``, and, for
-    0.31.3's handler, each response's ``current_state`` / ``match_sequence`` from the request's
-    ``SequenceStateMachine`` (reasoning, tool calls and stop sequences read them)."""
+    """``MTPBatchGenerator`` with the rest of the API mlx-lm's server drives: ``insert_segments``
+    (a prompt in segments is prefilled a chunk per step, each segment's end reported, its cache
+    there handed out by ``extract_cache``: ``prompt_segments``), ``next()`` as (prompt progress,
+    generation responses), ``prompt_cache_nbytes``, and, for 0.31.3's handler, each response's
+    ``current_state`` / ``match_sequence`` from the request's ``SequenceStateMachine`` (reasoning,
+    tool calls and stop sequences read them)."""
 
     def __init__(self, decoder, plain_factory, **kwargs):
         super().__init__(decoder, plain_factory, **kwargs)
         self._stream = kwargs.get("stream")
+        self._prefill_step = kwargs.get("prefill_step_size") or 2048
         self._machines: dict[int, list] = {}  # uid -> [state machine, its state] (0.31.3)
+        self._staged: deque = deque()  # StagedPrompt: prompts in segments, prefilled a chunk per step
 
     def insert_segments(self, segments, max_tokens=None, caches=None, all_tokens=None, samplers=None,
                         logits_processors=None, state_machines=None, stop_sequences=None):
         uids = []
         for i, parts in enumerate(segments):
+            parts = split_segments(parts)
             prompt = [token for part in parts for token in part]
             cache = caches[i] if caches else None
             done = list(all_tokens[i]) if all_tokens else []
             if not prompt:  # the prompt cache held the whole prompt: feed its last token again
                 prompt, cache, done = _refeed_last(cache, done)
+                parts = split_segments([prompt])
             sampler = samplers[i] if samplers else None
             (uid,) = self.insert(
                 [prompt], max_tokens=[max_tokens[i]] if max_tokens else None, caches=[cache] if cache else None,
@@ -150,6 +158,8 @@ class ServerMTPBatchGenerator(MTPBatchGenerator):
                 state_machines=[state_machines[i]] if state_machines else None,
                 stop_sequences=[stop_sequences[i]] if stop_sequences else None,
                 sampling_params=[getattr(sampler, "sampling_params", None)])
+            if len(parts) > 1:  # segment ends to report: taken from the queue, prefilled chunk by chunk
+                self._staged.append(StagedPrompt(self._pending.pop(), parts[:-1], parts[-1]))
             if state_machines:
                 self._machines[uid] = [state_machines[i], state_machines[i].make_state()]
             uids.append(uid)
@@ -157,24 +167,60 @@ class ServerMTPBatchGenerator(MTPBatchGenerator):
 
     def next(self):
         with mx.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
-            responses = self.next_generated()
+            responses = self.next_generated()  # decoding first, as mlx-lm's generator does
+            progress = self._prefill_staged()
         for response in responses:
             machine = self._machines.get(response.uid)
             if machine is not None:
                 machine[1], response.match_sequence, response.current_state = machine[0].match(machine[1], response.token)
             if response.finish_reason is not None:
                 self._machines.pop(response.uid, None)
-        return [], responses
+        return progress, responses
+
+    def _prefill_staged(self) -> list:
+        """One chunk of the oldest prompt in segments, or, once only its last token is left, its
+        hand-over to the queue that starts decoding; nothing while the batch is full."""
+        if not self._staged or len(self.batch.rows) + len(self._pending) >= self.completion_batch_size:
+            return []
+        staged = self._staged[0]
+        uid = staged.pending.uid
+        if not staged.parts:
+            self._staged.popleft()
+            self._pending.append(staged.handed_over())
+            return [PromptProgress(uid, (staged.total, staged.total), True, True)]
+        if staged.cache is None:
+            try:
+                staged.cache = self._own_cache(staged.pending)
+            except MTPError:  # its admission falls back to the host's loop and says why
+                self._staged.popleft()
+                self._pending.append(staged.pending)
+                return []
+        chunk, ended = staged.take(self._prefill_step)
+        staged.previous = self.decoder.prefill_part(chunk, staged.cache, staged.previous, settle=True)
+        return [PromptProgress(uid, (len(staged.fed), staged.total), ended, False)]
+
+    def extract_cache(self, uids) -> dict:
+        """As the base class, and for a prompt in segments the cache at the segment end it just
+        reported, with the tokens it holds (the server files it under them)."""
+        staged = {s.pending.uid: s for s in self._staged if s.pending.uid in set(uids)}
+        out = super().extract_cache([uid for uid in uids if uid not in staged])
+        for uid, s in staged.items():
+            out[uid] = (self.decoder.to_host(s.cache), s.tokens) if s.cache is not None else \
+                (s.pending.cache, s.pending.all_tokens)
+        return out
 
     def remove(self, uids, return_prompt_caches=False):
         for uid in uids:
             self._machines.pop(uid, None)
-        return super().remove(uids, return_prompt_caches)
+        out = super().remove(uids, return_prompt_caches)  # its extract_cache is this class's
+        self._staged = deque(s for s in self._staged if s.pending.uid not in set(uids))
+        return out
 
     @property
     def prompt_cache_nbytes(self) -> int:
         """Bytes of the host caches still waiting here (running rows keep this loop's own caches)."""
-        total = sum(c.nbytes for p in self._pending for c in (p.cache or []))
+        waiting = [p for p in self._pending] + [s.pending for s in self._staged if s.cache is None]
+        total = sum(c.nbytes for p in waiting for c in (p.cache or []))
         return total + (self._plain.prompt_cache_nbytes if self._plain is not None else 0)
 
 

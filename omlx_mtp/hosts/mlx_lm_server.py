@@ -202,7 +202,8 @@ class ServerMTPBatchGenerator(MTPBatchGenerator):
     def extract_cache(self, uids) -> dict:
         """As the base class, and for a prompt in segments the cache at the segment end it just
         reported, with the tokens it holds (the server files it under them)."""
-        staged = {s.pending.uid: s for s in self._staged if s.pending.uid in set(uids)}
+        wanted = set(uids)
+        staged = {s.pending.uid: s for s in self._staged if s.pending.uid in wanted}
         out = super().extract_cache([uid for uid in uids if uid not in staged])
         for uid, s in staged.items():
             out[uid] = (self.decoder.to_host(s.cache), s.tokens) if s.cache is not None else \
@@ -213,13 +214,14 @@ class ServerMTPBatchGenerator(MTPBatchGenerator):
         for uid in uids:
             self._machines.pop(uid, None)
         out = super().remove(uids, return_prompt_caches)  # its extract_cache is this class's
-        self._staged = deque(s for s in self._staged if s.pending.uid not in set(uids))
+        gone = set(uids)
+        self._staged = deque(s for s in self._staged if s.pending.uid not in gone)
         return out
 
     @property
     def prompt_cache_nbytes(self) -> int:
         """Bytes of the host caches still waiting here (running rows keep this loop's own caches)."""
-        waiting = [p for p in self._pending] + [s.pending for s in self._staged if s.cache is None]
+        waiting = list(self._pending) + [s.pending for s in self._staged if s.cache is None]
         total = sum(c.nbytes for p in waiting for c in (p.cache or []))
         return total + (self._plain.prompt_cache_nbytes if self._plain is not None else 0)
 

@@ -2,7 +2,11 @@
 
 
 class MTPError(Exception):
-    """A problem with the user's input (files, configs, options)."""
+    """A problem with the user's input (files, configs, options).  Its message is one line
+    whatever it quotes (mlx's load errors list parameters one per line)."""
+
+    def __str__(self) -> str:
+        return " ".join(super().__str__().split())
 
 
 class CheckpointError(MTPError):

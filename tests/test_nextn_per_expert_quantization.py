@@ -47,6 +47,10 @@ def test_per_expert_overrides_load_into_the_stacked_experts(tmp_path):
     tensors.update({f"{prefix}experts.{e}.down_proj.weight": down[e] for e in range(spec.num_experts)})
     mx.save_safetensors(str(shard), tensors, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    index = json.loads((out / "model.safetensors.index.json").read_text())  # the index as oQ writes it
+    index["weight_map"] = {**{k: v for k, v in index["weight_map"].items() if v != shard.name},
+                           **{k: shard.name for k in tensors}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
 
     model, _, _ = load_target(out)
     layer = load_merged_drafter(out, wrap_target(model))

@@ -112,10 +112,12 @@ def qwen35_checkpoint(directory, mtp: bool = True):
     rng = np.random.default_rng(0)
     weights = {k: mx.array(rng.normal(0, 0.05, v.shape).astype(np.float32)).astype(mx.bfloat16)
                for k, v in tree_flatten(model.parameters())}
-    if mtp:
-        for name, shape in {"mtp.fc.weight": (64, 128), "mtp.layers.0.mlp.gate_proj.weight": (128, 64),
-                            "mtp.layers.0.self_attn.q_proj.weight": (128, 64), "mtp.norm.weight": (64,)}.items():
-            weights[name] = mx.array(rng.normal(0, 0.05, shape).astype(np.float32)).astype(mx.bfloat16)
+    if mtp:  # a whole head, as the release ships it: every tensor the drafter reads
+        from omlx_mtp.drafters.qwen3_5_mtp import Qwen35MTPHead
+
+        head = Qwen35MTPHead(model.language_model.args if hasattr(model, "language_model") else model.args)
+        for name, value in tree_flatten(head.parameters()):
+            weights["mtp." + name] = mx.array(rng.normal(0, 0.05, value.shape).astype(np.float32)).astype(mx.bfloat16)
     directory.mkdir(parents=True)
     mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
     (directory / "config.json").write_text(json.dumps(config))
@@ -159,9 +161,16 @@ def test_refuses_existing_out_without_force(gemma_pair, tmp_path, capsys):
     (out / "keep.txt").write_text("mine")
     expect_failure(capsys, "quantize", target, out, needle="--force")
     assert (out / "keep.txt").read_text() == "mine"
-    code, _, err = run(capsys, "quantize", target, out, "--group-size", "32", "--force")
+    # --force replaces only what omlx-mtp wrote: a directory of someone else's files stays
+    expect_failure(capsys, "quantize", target, out, "--force", needle="keep.txt")
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    code, _, err = run(capsys, "quantize", target, out, "--group-size", "32", "--force")  # an empty one is fine
     assert code == 0, err
-    assert not (out / "keep.txt").exists() and (out / "config.json").exists()
+    first = digest(out)
+    code, _, err = run(capsys, "quantize", target, out, "--group-size", "64", "--force")  # its own output too
+    assert code == 0, err
+    assert digest(out) != first and (out / "config.json").exists()
 
 
 def corrupt_copy(source, tmp_path, name):

@@ -8,10 +8,11 @@ the model's per-module predicate) unless told otherwise; and writes them beside 
 shard ``quantize`` writes (``mtp_tensors.mtp_shard``), with the config entries loaders read.
 
 MLX_DIR's weight files are never rewritten; config.json and the index only gain entries.
-Everything is written to a staging directory beside MLX_DIR and renamed in at the end, config.json
-last; an error undoes the renames already made, so MLX_DIR is left as it was.  A run killed
-outright leaves MLX_DIR as it was unless it died inside those few renames; its staging directory
-stays beside MLX_DIR, and the next run removes it.
+Everything is written to a staging directory beside MLX_DIR, checked by the validation pass as
+MLX_DIR will be (its files and the staged ones side by side), and renamed in at the end, config.json
+last (``staging.commit``); an error undoes the renames already made, so MLX_DIR is left as it was.
+A run killed outright leaves its staging directory beside MLX_DIR, and the next run undoes any
+renames it had made and removes it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections import Counter, deque
 from pathlib import Path
 
@@ -27,14 +27,15 @@ import mlx.core as mx
 
 from . import shards
 from .conversion import MODES, QuantizeOptions, model_for, override_key, text_config
-from .files import check_safetensors_header, read_config, safetensors_files, tensor_infos
+from .files import INDEX, check_safetensors_header, read_config, read_index, safetensors_files, tensor_infos
 from ..drafters.gemma4_assistant import check_config_fits, normalize_assistant_config
 from ..errors import MTPError
 from .loading import is_multimodal
 from .mtp_tensors import is_mtp_tensor, mtp_shard
 from .quantize import mtp_prefix, mtp_sources
+from .staging import commit, new_staging, recover_stale, report
+from .validation import check_loads
 
-INDEX = "model.safetensors.index.json"
 # Config entries that promise MTP weights; kept from ORIGINAL where MLX_DIR's converter dropped them.
 MTP_CONFIG_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings")
 # Dimensions two checkpoints of one model share (compared where both configs give them).
@@ -45,7 +46,7 @@ SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "intermediate_si
 # Trunk tensors whose shapes are compared, named without their "model." / "language_model." prefixes.
 CHECKED_TENSORS = ("embed_tokens.weight", "lm_head.weight", "norm.weight")
 _FLOATS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
-_STAGING = ".{name}.add-mtp-{pid}-"
+STAGING_KINDS = ("add-mtp",)
 
 
 class _Reads:
@@ -71,9 +72,9 @@ class _Reads:
 
 def add_mtp(original: str | Path, mlx_dir: str | Path, bits: int | None = None, group_size: int | None = None,
             mode: str | None = None, assistant: str | Path | None = None, force: bool = False,
-            progress: bool = True) -> int:
+            progress: bool = True, say=report) -> int:
     """Add ORIGINAL's MTP tensors (and an ``assistant``'s, Gemma 4) to the quant in ``mlx_dir``;
-    returns the bytes read from ORIGINAL."""
+    returns the bytes read from ORIGINAL.  ``say`` reports what a killed run left and was undone."""
     original, mlx_dir = Path(original), Path(mlx_dir)
     reads = _Reads()
     config = read_config(original)
@@ -83,8 +84,10 @@ def add_mtp(original: str | Path, mlx_dir: str | Path, bits: int | None = None, 
         raise MTPError("add-mtp: ORIGINAL and MLX_DIR are the same directory")
     if mode is not None and mode not in MODES:
         raise MTPError(f"--mode {mode!r}: expected one of {', '.join(MODES)}")
-    _remove_stale_staging(mlx_dir)
+    for message in recover_stale(mlx_dir, STAGING_KINDS):
+        say(f"omlx-mtp: {message}")
     _check_same_model(config, mlx_config, original, mlx_dir)
+    check_loads(mlx_dir, merged=False)  # the quant itself loads: its trunk as mlx-lm reads it
     new_config = _gain_mtp_keys(mlx_config, config)
     mlx_infos = tensor_infos(mlx_dir)
     present = sorted(n for n in mlx_infos if is_mtp_tensor(n, new_config))
@@ -92,7 +95,9 @@ def add_mtp(original: str | Path, mlx_dir: str | Path, bits: int | None = None, 
         what = f"{len(present)} MTP tensors (e.g. {present[0]})" if present else "a merged assistant"
         raise MTPError(f"{mlx_dir} already holds {what}; pass --force to replace them")
 
-    weight_map = reads.json(original / INDEX).get("weight_map", {}) if (original / INDEX).is_file() else None
+    weight_map = read_index(original)
+    if weight_map is not None:
+        reads.total += (original / INDEX).stat().st_size
     files = _mtp_files(original, config, weight_map)
     infos = tensor_infos(original, files, accept=("F8_E4M3",))  # validates those headers and their dtypes
     for file in files:
@@ -161,11 +166,11 @@ def _sources(original: Path, config: dict, files: list[Path], mtp_names: list[st
 
 
 def _write(mlx_dir: Path, config: dict, jobs, layout, side: str, dtype: str, progress: bool) -> None:
-    """Write the side shard, the index and ``config`` in a staging directory beside MLX_DIR, then
-    rename them in, config.json last."""
+    """Write the side shard, the index and ``config`` in a staging directory beside MLX_DIR, check
+    the result, then rename them in, config.json last."""
     from tqdm import tqdm
 
-    staging = Path(tempfile.mkdtemp(prefix=_STAGING.format(name=mlx_dir.name, pid=os.getpid()), dir=mlx_dir.parent))
+    staging = new_staging(mlx_dir, STAGING_KINDS[0])
     try:
         total = sum(job.nbytes for job in jobs)
         try:
@@ -186,27 +191,39 @@ def _write(mlx_dir: Path, config: dict, jobs, layout, side: str, dtype: str, pro
             moves.append((staging / INDEX, mlx_dir / INDEX))
         _write_json(staging / "config.json", config)
         moves.append((staging / "config.json", mlx_dir / "config.json"))  # last: loaders read it first
-        _commit(staging, moves)
+        _check_result(mlx_dir, staging, moves)
+        commit(staging, moves)
+    except OSError as exc:
+        raise MTPError(f"writing into {mlx_dir} failed: {exc.strerror or exc} ({exc.filename or mlx_dir}); "
+                       f"{mlx_dir} is as it was") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _remove_stale_staging(mlx_dir: Path) -> None:
-    """Staging directories beside MLX_DIR left by add-mtp runs that were killed."""
-    for path in mlx_dir.parent.glob(_STAGING.format(name=mlx_dir.name, pid="*") + "*"):
-        pid = path.name[len(f".{mlx_dir.name}.add-mtp-"):].split("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
+def _check_result(mlx_dir: Path, staging: Path, moves: list[tuple[Path, Path]]) -> None:
+    """The validation pass on MLX_DIR as the moves will leave it: a view of links to its files,
+    the staged ones in their places, loaded as ``generate`` loads it."""
+    view = staging / "view"
+    _link_view(view, mlx_dir, {final.relative_to(mlx_dir): staged for staged, final in moves})
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        check_loads(view)
+    except MTPError as exc:
+        raise MTPError(f"{str(exc).replace(str(view), str(mlx_dir))} (after adding the MTP weights; "
+                       f"nothing was written)") from None
+
+
+def _link_view(view: Path, base: Path, replaced: dict[Path, Path]) -> None:
+    view.mkdir()
+    tops = {rel.parts[0] for rel in replaced}
+    for entry in base.iterdir():
+        if entry.name not in tops:
+            os.symlink(entry.resolve(), view / entry.name)
+    for top in sorted(tops):
+        if Path(top) in replaced:
+            os.symlink(replaced[Path(top)].resolve(), view / top)
+        else:  # a file inside a folder MLX_DIR has (mtp/): the folder's other files linked beside it
+            inner = {Path(*rel.parts[1:]): staged for rel, staged in replaced.items() if rel.parts[0] == top}
+            _link_view(view / top, base / top, inner)
 
 
 def _merged_assistant(config: dict) -> bool:
@@ -357,26 +374,3 @@ def _write_json(path: Path, data: dict) -> None:
         json.dump(data, handle, indent=2)
         handle.flush()
         os.fsync(handle.fileno())
-
-
-def _commit(staging: Path, moves: list[tuple[Path, Path]]) -> None:
-    """Rename each staged file over its place in MLX_DIR, in order; on an error, put back what was
-    there (kept as a hard link in the staging directory) and remove what was added."""
-    done = []
-    try:
-        for i, (staged, final) in enumerate(moves):
-            backup = None
-            if final.exists():
-                backup = staging / f".previous-{i}"
-                os.link(final, backup)
-            os.replace(staged, final)
-            done.append((final, backup))
-    except BaseException:
-        for final, backup in reversed(done):
-            if backup is not None:
-                os.replace(backup, final)
-            elif final.is_dir():
-                shutil.rmtree(final)
-            else:
-                final.unlink()
-        raise

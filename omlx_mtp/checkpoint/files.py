@@ -27,18 +27,37 @@ def read_config(path: str | Path) -> dict:
     return config
 
 
+INDEX = "model.safetensors.index.json"
+
+
+def read_index(path: str | Path) -> dict[str, str] | None:
+    """The weight map of a checkpoint's safetensors index (tensor -> shard file name), checked:
+    an object of names to file names inside the directory; None when there is no index."""
+    index = Path(path) / INDEX
+    if not index.is_file():
+        return None
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{index}: not a valid safetensors index ({type(exc).__name__}: {exc})") from None
+    except OSError as exc:
+        raise CheckpointError(f"{index}: cannot be read ({exc.strerror})") from None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: weight_map must be an object of tensor names to file names")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not file or Path(file).is_absolute() or ".." in Path(file).parts:
+            raise CheckpointError(f"{index}: weight_map[{name!r}] is {file!r}; expected a file name in the checkpoint")
+    return weight_map
+
+
 def safetensors_files(path: str | Path) -> list[Path]:
     directory = Path(path)
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from None
+    weight_map = read_index(directory)
+    if weight_map is not None:
         files = [directory / name for name in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise CheckpointError(f"{index}: names shard(s) that do not exist: {', '.join(missing)}")
+            raise CheckpointError(f"{directory / INDEX}: names shard(s) that do not exist: {', '.join(missing)}")
     else:
         files = sorted(directory.glob("*.safetensors"))
         if not files:
@@ -78,7 +97,8 @@ def tensor_infos(path: str | Path, files: list[Path] | None = None,
     """name -> (file, safetensors dtype, shape) for every tensor (or every tensor of ``files``),
     read from the headers only; dtypes other than DTYPE_BYTES' (and ``accept``) are refused."""
     infos = {}
-    for file in safetensors_files(path) if files is None else files:
+    directory = Path(path)
+    for file in safetensors_files(directory) if files is None else files:
         try:
             with safe_open(str(file), framework="numpy") as handle:
                 for name in handle.keys():
@@ -89,6 +109,10 @@ def tensor_infos(path: str | Path, files: list[Path] | None = None,
                     infos[name] = (file, dtype, list(view.get_shape()))
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"{file}: corrupt or truncated safetensors file ({exc})") from None
+    if files is None:  # the index must say where each tensor it names is
+        for name, file in (read_index(directory) or {}).items():
+            if infos.get(name, (None,))[0] != directory / file:
+                raise CheckpointError(f"{directory / INDEX}: puts {name} in {file}, which has no such tensor")
     return infos
 
 
@@ -99,9 +123,8 @@ def files_holding(directory: Path, prefixes: tuple[str, ...], own_shard: str) ->
     own = directory / own_shard
     if own.is_file():
         return [own]
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+    weight_map = read_index(directory)
+    if weight_map is not None:
         return [directory / n for n in sorted({f for k, f in weight_map.items() if k.startswith(prefixes)})]
     return safetensors_files(directory)
 

@@ -1,5 +1,7 @@
 """``omlx-mtp inspect``: what a checkpoint holds — quantization, MTP tensors, a merged assistant
-and whether it fits — read from config.json and the safetensors headers only."""
+and whether it fits — read from config.json and the safetensors headers only.  Whether it loads,
+and its drafter fits, is the validation pass's verdict (``validation``), the one ``generate``'s
+loaders give: ``inspect`` says "fits" exactly when ``generate`` would draft."""
 
 from __future__ import annotations
 
@@ -9,9 +11,9 @@ from pathlib import Path
 from .files import DTYPE_BYTES, read_config, tensor_infos
 from ..drafters import merged_assistant_config
 from ..drafters import nextn, qwen3_5_mtp
-from ..drafters.gemma4_assistant import check_config_fits
 from ..errors import CheckpointError, MTPError
 from .mtp_tensors import mtp_family
+from .validation import problem as load_problem
 
 _NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32", "U32": "uint32"}
 
@@ -70,7 +72,7 @@ def inspect_checkpoint(directory: str | Path) -> dict:
     merged = merged_assistant_config(config)
     if merged is not None:
         assistant, prefix = merged
-        report["drafter"] = _describe_assistant(assistant, config, f"{directory / 'config.json'}: merged assistant")
+        report["drafter"] = _describe_assistant(assistant)
         report["drafter"]["merged"] = True
         if not any(n.startswith(prefix) for n in infos):
             report["problems"].append(f"config.json embeds an assistant but there are no {prefix}* tensors")
@@ -91,11 +93,16 @@ def inspect_checkpoint(directory: str | Path) -> dict:
         report["drafter"] = _describe_nextn(config, infos, quantization)
         report["problems"] += report["drafter"]["problems"]
     elif config.get("model_type") == "gemma4_assistant":
-        report["drafter"] = _describe_assistant(config, None, str(directory / "config.json"))
+        report["drafter"] = _describe_assistant(config)
         report["drafter"]["merged"] = False
         report["problems"] += report["drafter"]["problems"]
     else:
         report["drafter"] = None
+    verdict = load_problem(directory)  # what generate's loaders say, lazily
+    if report["drafter"] is not None and report["drafter"].get("merged"):
+        report["drafter"]["fits_target"] = verdict is None
+    if verdict is not None and not report["problems"]:  # the specific findings above say it better
+        report["problems"].append(verdict)
     return report
 
 
@@ -144,7 +151,7 @@ def _towers(config: dict, infos: dict, quantization: dict | None) -> dict:
     return out
 
 
-def _describe_assistant(assistant: dict, target_config: dict | None, where: str) -> dict:
+def _describe_assistant(assistant: dict) -> dict:
     text = assistant.get("text_config") or {}
     out = {
         "model_type": assistant.get("model_type"),
@@ -155,13 +162,6 @@ def _describe_assistant(assistant: dict, target_config: dict | None, where: str)
         "centroid_head": bool(assistant.get("use_ordered_embeddings")),
         "problems": [],
     }
-    if target_config is not None:
-        try:
-            check_config_fits(target_config, assistant, where)
-            out["fits_target"] = True
-        except MTPError as exc:
-            out["fits_target"] = False
-            out["problems"].append(str(exc))
     return out
 
 

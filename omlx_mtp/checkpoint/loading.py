@@ -7,7 +7,7 @@ from pathlib import Path
 
 from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
-from .files import check_safetensors_header, read_config, safetensors_files
+from .files import read_config, tensor_infos
 from ..errors import CheckpointError
 from .gemma4_config import normalize_text_config
 from .mtp_tensors import is_mtp_tensor
@@ -21,6 +21,8 @@ TOP_LEVEL_ROPE = ("glm4_moe", "glm4_moe_lite", "deepseek_v3", "deepseek_v32")
 # Multimodal checkpoints of these families load through mlx-vlm (a target module wraps its model);
 # others load their text model through mlx-lm, whose sanitizer drops the towers.
 VLM_TARGETS = ("gemma4", "qwen3_5", "qwen3_5_moe")
+# Safetensors dtypes a model's sanitizer takes as they are (FP8 releases are dequantized by it).
+READ_AS_IS = ("F8_E4M3", "F8_E5M2", "F64", "U64")
 
 
 def target_config_overrides(config: dict, where: str) -> dict:
@@ -58,10 +60,11 @@ def is_multimodal(config: dict) -> bool:
     return bool(config.get("vision_config") or config.get("audio_config"))
 
 
-def load_target(path: str | Path, with_tokenizer: bool = True, sharding: str | None = None):
+def load_target(path: str | Path, with_tokenizer: bool = True, sharding: str | None = None, lazy: bool = False):
     """Return (model, tokenizer or None, config) for a checkpoint directory of a supported family.
     ``sharding`` ("pipeline", "tensor" or "auto"): split the trunk over the ranks of
-    ``mx.distributed`` with mlx-lm's own sharding (``checkpoint.sharded``)."""
+    ``mx.distributed`` with mlx-lm's own sharding (``checkpoint.sharded``).  ``lazy``: every weight
+    checked against the model, none read (``validation``)."""
     directory = Path(path)
     config = read_config(directory)
     model_type = config.get("model_type")
@@ -70,21 +73,44 @@ def load_target(path: str | Path, with_tokenizer: bool = True, sharding: str | N
             f"{directory / 'config.json'}: model_type {model_type!r} is not supported "
             f"(supported targets: {', '.join(SUPPORTED_TARGETS)})"
         )
-    for file in safetensors_files(directory):
-        check_safetensors_header(file)
+    tensor_infos(directory, accept=READ_AS_IS)  # every header, and the index against them
     try:
         if is_multimodal(config) and model_type in VLM_TARGETS:
             if sharding is not None:
                 raise CheckpointError(f"{directory}: a multimodal checkpoint loads through mlx-vlm, which has no "
                                       "sharding; serve it on one machine")
-            model = _load_vlm(directory)
+            model = _load_vlm(directory, lazy)
         else:
-            model, _ = load_model(directory, lazy=sharding is not None, get_model_classes=trunk_classes,
+            model, _ = load_model(directory, lazy=lazy or sharding is not None, get_model_classes=trunk_classes,
                                   model_config=target_config_overrides(config, str(directory / "config.json")))
             if sharding is not None:
                 shard_model(model, sharding, str(directory))
     except ValueError as exc:  # mlx-lm and mlx-vlm report missing/extra/mis-shaped weights this way
         raise CheckpointError(f"{directory}: weights do not match config.json ({exc})") from None
+    except (TypeError, KeyError) as exc:  # the model's arguments, built from config.json, refused it
+        raise CheckpointError(f"{directory / 'config.json'}: not a {model_type} config mlx-lm can build "
+                              f"({type(exc).__name__}: {exc})") from None
+    if not lazy:
+        import logging
+
+        import mlx.core as mx
+
+        # mlx's CPU gather_mm (unquantized routed experts: mlx-lm's and mlx-vlm's SwitchLinear) takes
+        # float32 only.  Probe the backend rather than assume, so Metal and CUDA keep bf16/fp16.
+        half = {m.weight.dtype for _, m in model.named_modules()
+                if type(m).__name__ == "SwitchLinear" and m.weight.dtype in (mx.bfloat16, mx.float16)}
+        refused = []
+        for dtype in half if mx.default_device() == mx.cpu else ():
+            try:
+                mx.eval(mx.gather_mm(mx.ones((1, 1, 8), dtype), mx.ones((1, 8, 8), dtype),
+                                     rhs_indices=mx.zeros((1, 1), mx.uint32)))
+            except (RuntimeError, ValueError):
+                refused.append(str(dtype).rpartition(".")[2])
+        if refused:
+            model.set_dtype(mx.float32)  # all of it, as the tests run such a model: one dtype throughout
+            logging.getLogger("omlx_mtp").warning(
+                "%s: mlx's CPU gather_mm takes float32 only, so this model (%s routed experts) runs upcast to "
+                "float32, at twice the memory", directory, "/".join(refused))
     tokenizer = None
     if with_tokenizer:
         try:
@@ -92,6 +118,26 @@ def load_target(path: str | Path, with_tokenizer: bool = True, sharding: str | N
         except Exception as exc:  # transformers raises many kinds here
             raise CheckpointError(f"{directory}: no usable tokenizer ({exc})") from None
     return model, tokenizer, config
+
+
+def load_plain(path: str | Path):
+    """A checkpoint of a family omlx-mtp drafts nothing for, loaded lazily as mlx-lm loads it (its
+    weights checked against its config, none read): the model, or CheckpointError saying why not."""
+    directory = Path(path)
+    config = read_config(directory)
+    try:
+        _get_classes(config)
+    except ValueError:
+        raise CheckpointError(f"{directory / 'config.json'}: model_type {config.get('model_type')!r} is not one "
+                              f"mlx-lm knows (omlx-mtp drafts for: {', '.join(SUPPORTED_TARGETS)})") from None
+    tensor_infos(directory, accept=READ_AS_IS)
+    try:
+        return load_model(directory, lazy=True, get_model_classes=trunk_classes)[0]
+    except ValueError as exc:
+        raise CheckpointError(f"{directory}: weights do not match config.json ({exc})") from None
+    except (TypeError, KeyError) as exc:
+        raise CheckpointError(f"{directory / 'config.json'}: not a config mlx-lm can build "
+                              f"({type(exc).__name__}: {exc})") from None
 
 
 def trunk_classes(config: dict):
@@ -109,14 +155,14 @@ def trunk_classes(config: dict):
     return Trunk, args_class
 
 
-def _load_vlm(directory: Path):
+def _load_vlm(directory: Path, lazy: bool = False):
     try:
         from mlx_vlm.utils import load_model as load_vlm_model
     except ImportError:
         raise CheckpointError(f"{directory}: a multimodal checkpoint (vision_config) loads through mlx-vlm, which "
                               "is not installed (a dependency of omlx-mtp: pip install 'mlx-vlm>=0.5.0,<0.8')") from None
     try:
-        return load_vlm_model(directory)
+        return load_vlm_model(directory, lazy=lazy)
     except ValueError as exc:
         if not _only_extra_mtp_tensors(str(exc), read_config(directory)):
             raise
@@ -124,7 +170,7 @@ def _load_vlm(directory: Path):
     # and mlx-vlm's model has no place for it.  Releases that honour strict=False load it as oMLX
     # does, once a strict load has failed on nothing but those tensors (a missing weight still fails).
     try:
-        return load_vlm_model(directory, strict=False)
+        return load_vlm_model(directory, lazy=lazy, strict=False)
     except ValueError as exc:
         if not _only_extra_mtp_tensors(str(exc), read_config(directory)):
             raise

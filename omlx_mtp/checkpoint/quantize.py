@@ -7,16 +7,16 @@ registry in ``mtp_tensors`` — are kept, in ``--dtype`` or at ``--mtp-bits`` (a
 layer has its decoder block converted and quantized as a trunk layer: ``conversion``).  A Gemma 4 assistant
 can be merged in: its tensors go under ``[language_model.]mtp.`` in their own shard, which the
 index lists and mlx-lm's ``model*.safetensors`` glob leaves alone, and its config is embedded as
-``mtp_assistant_config``.  Output is written to a temporary directory beside OUT and renamed at
-the end; on any error or Ctrl-C nothing is left behind.
+``mtp_assistant_config``.  SRC and the assistant pass the validation pass first, and the output
+passes it before it takes OUT's place.  Output is staged beside OUT and renamed in at the end
+(``staging``): on an error or Ctrl-C nothing is left behind, a killed run's leftovers are removed
+by the next, and ``--force`` replaces only a directory this package wrote (``output_dir``).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from collections import deque
 from pathlib import Path
 
@@ -30,8 +30,13 @@ from ..drafters.gemma4_assistant import check_config_fits, normalize_assistant_c
 from ..errors import MTPError
 from .loading import is_multimodal
 from .mtp_tensors import is_mtp_tensor, mtp_shard
+from .output_dir import check_output, write_marker
+from .staging import commit, new_staging, recover_stale, report
+from .validation import check_loads
 
 __all__ = ["MODES", "QuantizeOptions", "mtp_sources", "quantize"]
+
+STAGING_KINDS = ("partial",)  # the staging directories beside OUT (``staging``)
 
 COPIED = ("*.json", "*.jinja", "tokenizer.model", "*.tiktoken", "*.txt")
 SKIPPED = {"config.json", "model.safetensors.index.json"}
@@ -68,26 +73,25 @@ def _multimodal_trunk(src: Path):
 
 
 def quantize(src: str | Path, out: str | Path, options: QuantizeOptions, assistant: str | Path | None = None,
-             progress: bool = True) -> Path:
+             progress: bool = True, say=report) -> Path:
+    """Write SRC quantized (and ``assistant`` merged in) to OUT; ``say`` reports what was cleaned up."""
     from tqdm import tqdm
 
     src, out = Path(src), Path(out)
+    assistant = Path(assistant) if assistant is not None else None
     config = read_config(src)
     if options.mode not in MODES:
         raise MTPError(f"--mode {options.mode!r}: expected one of {', '.join(MODES)}")
-    if out.exists() and not options.force:
-        raise MTPError(f"{out} exists (pass --force to replace it)")
-    if out.resolve() == src.resolve():
-        raise MTPError("OUT must differ from SRC (SRC is never modified)")
+    check_output(out, options.force, {"SRC": src, "the assistant": assistant})
     if config.get("quantization"):
         raise MTPError(f"{src / 'config.json'}: SRC is already quantized; quantize from the original weights")
     tensor_infos(src)  # validates every header and dtype before anything is written
-    assistant_config = None
     if assistant is not None:
-        assistant = Path(assistant)
-        assistant_config = normalize_assistant_config(read_config(assistant), str(assistant / "config.json"))
-        check_config_fits(config, assistant_config, f"assistant {assistant}")
-        tensor_infos(assistant)
+        check_config_fits(config, normalize_assistant_config(read_config(assistant), str(assistant / "config.json")),
+                          f"assistant {assistant}")
+    check_loads(src, assistant)  # every tensor the model and its drafter read, at its shape, before any work
+    for message in recover_stale(out, STAGING_KINDS):
+        say(f"omlx-mtp: {message}")
 
     dtype = getattr(mx, options.dtype)
     default = options.scheme()
@@ -103,13 +107,14 @@ def quantize(src: str | Path, out: str | Path, options: QuantizeOptions, assista
         if job.scheme is not None and job.scheme != default:
             quant_config[override_key(job.name)] = dict(job.scheme)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    staging = new_staging(out, STAGING_KINDS[0])
+    written = staging / "checkpoint"
     try:
+        written.mkdir()
         total = sum(job.nbytes for job in jobs)
         try:
-            trunk_layout.open(staging)
-            mtp_layout.open(staging)
+            trunk_layout.open(written)
+            mtp_layout.open(written)
             with tqdm(total=total, unit="B", unit_scale=True, desc="quantize", disable=not progress) as bar:
                 shards.convert_all(jobs, dtype, bar)
         finally:
@@ -118,27 +123,28 @@ def quantize(src: str | Path, out: str | Path, options: QuantizeOptions, assista
         weight_map = {n: shard.filename for shard in trunk_layout.shards for n in shard.entries}
         if not is_multimodal(config):  # mlx-vlm refuses an index naming tensors its model lacks
             weight_map.update({n: shard.filename for shard in mtp_layout.shards for n in shard.entries})
-        (staging / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": sum((staging / f).stat().st_size for f in set(weight_map.values()))},
+        (written / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": sum((written / f).stat().st_size for f in set(weight_map.values()))},
                         "weight_map": dict(sorted(weight_map.items()))}, indent=2)
         )
         new_config = dict(config)
         new_config["quantization"] = quant_config
         new_config["quantization_config"] = quant_config
-        if assistant_config is not None:
+        if assistant is not None:
             embedded = dict(read_config(assistant))
             if config.get("model_type") == "gemma4":
                 new_config["text_config"] = {**config.get("text_config", {}), "mtp_assistant_config": embedded}
             else:
                 new_config["mtp_assistant_config"] = embedded
-        (staging / "config.json").write_text(json.dumps(new_config, indent=2))
-        _copy_side_files(src, staging)
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(staging, out)
-    except BaseException:
+        (written / "config.json").write_text(json.dumps(new_config, indent=2))
+        _copy_side_files(src, written)
+        check_loads(written)  # what generate will read: never an output it would refuse
+        write_marker(written, "quantize")
+        commit(staging, [(written, out)])
+    except OSError as exc:
+        raise MTPError(f"writing {out} failed: {exc.strerror or exc} ({exc.filename or out}); nothing was written") from None
+    finally:
         shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out
 
 

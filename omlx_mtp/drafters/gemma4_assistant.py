@@ -24,6 +24,7 @@ from .quantized import load_into
 from ..checkpoint.gemma4_config import FULL, SLIDING, layer_head_dim, layer_kv_heads, normalize_text_config, text_config_of
 
 MODEL_TYPE = "gemma4_assistant"
+TARGET_TYPES = ("gemma4", "gemma4_text")  # the checkpoints an assistant drafts for
 
 
 class CentroidHead(nn.Module):
@@ -146,8 +147,25 @@ def normalize_assistant_config(config: dict, where: str) -> dict:
     return out
 
 
+def _target_kind(target) -> str:
+    """The target's model_type as its checkpoint spells it (mlx-lm keeps it in ``args``, mlx-vlm in
+    ``config``), else its family's name."""
+    for holder in ("args", "config"):
+        kind = getattr(getattr(target.model, holder, None), "model_type", None)
+        if isinstance(kind, str):
+            return kind
+    return target.family
+
+
 def check_fits(drafter: Gemma4AssistantDrafter, target, where: str = "drafter") -> None:
     """Refuse a drafter that was not made for this target, naming both numbers."""
+    if not hasattr(target, "kv_owner"):
+        # The assistant attends to a Gemma 4 target's own K/V (kv_owner maps its layer types to
+        # them); another family has none to lend, so the numbers below would not even be defined.
+        raise DrafterMismatchError(
+            f"{where} does not fit the target: a {MODEL_TYPE} drafts for Gemma 4 targets; this target is "
+            f"{_target_kind(target)} ({target.family}); leave the drafter out to use the checkpoint's own MTP "
+            "head or layer, where it ships one")
     problems = []
     if drafter.backbone_hidden_size != target.hidden_size:
         problems.append(
@@ -176,7 +194,11 @@ def check_fits(drafter: Gemma4AssistantDrafter, target, where: str = "drafter") 
 
 
 def check_config_fits(config: dict, assistant: dict, where: str) -> None:
-    """The config-level twin of ``check_fits``, for a target that is not loaded (quantize, inspect)."""
+    """The config-level twin of ``check_fits``, for a target that is not loaded (quantize, add-mtp):
+    the quick refusals; the validation pass then checks the loaded pair with ``check_fits``."""
+    if config.get("model_type") not in TARGET_TYPES:
+        raise DrafterMismatchError(f"{where} does not fit the target: a {MODEL_TYPE} drafts for Gemma 4 targets "
+                                   f"({', '.join(TARGET_TYPES)}); this target is {config.get('model_type')!r}")
     text = text_config_of(config)
     problems = []
     if int(assistant["backbone_hidden_size"]) != int(text.get("hidden_size", -1)):

@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import CheckpointError
+
+# Inside ``weights_unread`` drafters are built and their weights checked, not read (validation).
+_UNREAD = contextvars.ContextVar("omlx_mtp_weights_unread", default=False)
+
+
+@contextlib.contextmanager
+def weights_unread():
+    """Drafters loaded here check every weight's name and shape but read none (``mx.load`` is lazy)."""
+    token = _UNREAD.set(True)
+    try:
+        yield
+    finally:
+        _UNREAD.reset(token)
 
 
 def quantize_like_checkpoint(drafter: nn.Module, quantization: dict, weights: dict) -> None:
@@ -49,7 +65,8 @@ def load_into(drafter: nn.Module, weights: dict, quantization: dict | None, mism
     except ValueError as exc:
         raise CheckpointError(f"{mismatch} ({exc})") from None
     drafter.eval()
-    mx.eval(drafter.parameters())
+    if not _UNREAD.get():
+        mx.eval(drafter.parameters())
     return drafter
 
 

@@ -112,9 +112,13 @@ def load_file(path: str | Path) -> dict:
     """Read and validate one YAML file; returns the keys it sets."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        # UTF-8 whatever the locale: YAML files are UTF-8, and the same file must read the same everywhere
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise SettingsError(f"{path}: cannot be read ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise SettingsError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+                            "save it as UTF-8") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""

@@ -8,8 +8,31 @@ import json
 import sys
 
 from ..errors import MTPError
+from .options import Range, check, check_args
 
 QUERY_POSITIONS = {"bonus": 0, "last": -1}
+MAX_DRAFT_TOKENS = 16
+DEPTH = Range(0, MAX_DRAFT_TOKENS)  # a fixed --draft-tokens; 0 decodes without drafts
+# Each command's numeric options, checked before anything loads (argparse checks types only).
+SAMPLING_RANGES = {
+    "max_tokens": Range(low=1),
+    "temp": Range(low=0),
+    "top_p": Range(0, 1),
+    "top_k": Range(low=0),  # and below the vocabulary, checked once the model is loaded
+    "min_p": Range(0, 1),
+    "repetition_penalty": Range(above=0),  # mlx-lm divides by it
+    "seed": Range(0, 2**64 - 1),  # mx.random.seed takes an unsigned 64-bit integer
+    "max_draft_tokens": Range(1, MAX_DRAFT_TOKENS),
+}
+RANGES = {
+    "generate": SAMPLING_RANGES,
+    "demo": {"max_tokens": Range(low=1), "draft_tokens": DEPTH},
+    "timeline": {"batch": Range(low=1), "max_tokens": Range(low=1), "repeats": Range(low=1)},
+    "bench": {"max_tokens": Range(low=1), "prompt_tokens": Range(low=1), "repeats": Range(low=1),
+              "synthetic_layers": Range(1, 128)},  # more layers than any release has only exhausts memory
+    "quantize": {"shard_size_mb": Range(low=1)},
+    "serve": {"port": Range(0, 65535)},
+}
 
 
 def _add_sampling(parser: argparse.ArgumentParser) -> None:
@@ -144,14 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _sampling_params(args):
     from ..decode.sampling import SamplingParams
 
-    if args.temp < 0 or not 0 <= args.top_p <= 1 or args.top_k < 0 or not 0 <= args.min_p <= 1:
-        raise MTPError("sampling options out of range: --temp >= 0, 0 <= --top-p <= 1, --top-k >= 0, 0 <= --min-p <= 1")
     if args.draft_tokens != "auto":
-        if not args.draft_tokens.isdigit() or int(args.draft_tokens) > 16:
-            raise MTPError(f"--draft-tokens: expected 0..16 or 'auto', got {args.draft_tokens!r}")
+        if not args.draft_tokens.isdigit() or int(args.draft_tokens) > MAX_DRAFT_TOKENS:
+            raise MTPError(f"--draft-tokens: expected 0..{MAX_DRAFT_TOKENS} or 'auto', got {args.draft_tokens!r}")
         args.draft_tokens = int(args.draft_tokens)
-    if not 1 <= args.max_draft_tokens <= 16:
-        raise MTPError("--max-draft-tokens must be between 1 and 16")
     return SamplingParams(
         temperature=args.temp,
         top_p=args.top_p,
@@ -186,8 +205,6 @@ def cmd_generate(args) -> int:
     from .session import Session
 
     params = _sampling_params(args)
-    if args.max_tokens < 1:
-        raise MTPError("--max-tokens must be at least 1")
     session = Session.load(
         args.model,
         None if args.no_mtp else args.drafter,
@@ -197,6 +214,8 @@ def cmd_generate(args) -> int:
         query_offset=QUERY_POSITIONS[args.query_position],
         sharding=args.sharding,
     )
+    if args.top_k:  # mlx-lm's top-k takes 0 < k < vocabulary
+        check("--top-k", args.top_k, Range(0, session.target.vocab_size - 1))
     if args.image:
         from .multimodal import image_request
 
@@ -243,16 +262,20 @@ def cmd_bench(args) -> int:
         temps = [float(t) for t in args.temps.split(",")]
     except ValueError:
         raise MTPError(f"--temps: expected comma-separated numbers, got {args.temps!r}") from None
+    for temp in temps:
+        check("--temps", temp, Range(low=0))
     try:
         batches = [int(b) for b in args.batch.split(",")]
-        assert all(b >= 1 for b in batches)
-    except (ValueError, AssertionError):
+    except ValueError:
         raise MTPError(f"--batch: expected comma-separated positive integers, got {args.batch!r}") from None
     try:
         accuracies = [float(a) for a in args.accuracy.split(",") if a.strip()]
-        assert all(0 <= a <= 1 for a in accuracies)
-    except (ValueError, AssertionError):
+    except ValueError:
         raise MTPError(f"--accuracy: expected comma-separated rates in [0, 1], got {args.accuracy!r}") from None
+    for batch in batches:
+        check("--batch", batch, Range(low=1))
+    for accuracy in accuracies:
+        check("--accuracy", accuracy, Range(0, 1))
     return run_bench(args.model, args.drafter, depths, args.max_tokens, args.repeats, args.prompt_tokens,
                      args.json_out, args.compare_query_positions, args.synthetic, args.synthetic_layers, args.dtype,
                      temps, batches, args.plot, accuracies, args.target_bits, args.head_bits, args.sharding)
@@ -266,17 +289,16 @@ def cmd_timeline(args) -> int:
     depths = _draft_depths(args.draft_tokens)
     if len(depths) != 1:
         raise MTPError(f"timeline: --draft-tokens takes one depth or 'auto', got {args.draft_tokens!r}")
-    if args.batch < 1 or args.repeats < 1:
-        raise MTPError("timeline: --batch and --repeats must be at least 1")
     return run_timeline(args.model, args.drafter, depths[0], args.batch, args.max_tokens, args.repeats, args.json)
 
 
 def _draft_depths(text: str) -> list:
     """``--draft-tokens``: comma-separated depths, 'auto' among them."""
     try:
-        return [k if k == "auto" else int(k) for k in text.split(",")]
+        depths = [k if k == "auto" else int(k) for k in text.split(",")]
     except ValueError:
         raise MTPError(f"--draft-tokens: expected comma-separated integers, got {text!r}") from None
+    return [k if k == "auto" else check("--draft-tokens", k, DEPTH) for k in depths]
 
 
 def cmd_quantize(args) -> int:
@@ -362,6 +384,7 @@ def main(argv=None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(passed_on)}")
     args.passed_on = passed_on
     try:
+        check_args(args, RANGES.get(args.command, {}))  # before any model loads
         return COMMANDS[args.command](args)
     except MTPError as exc:
         print(f"omlx-mtp: error: {exc}", file=sys.stderr)

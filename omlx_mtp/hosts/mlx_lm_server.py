@@ -3,8 +3,8 @@
 mlx-lm's server keeps one batch generator per loaded model: its response thread builds
 ``BatchGenerator(model, completion_batch_size=..., prefill_batch_size=..., prefill_step_size=...,
 stream=...)``, feeds it requests with ``insert_segments``, drives it with ``next()``, ``remove``s
-cancelled ones and files the caches of finished ones in its prompt cache.  ``install`` patches three
-names of that module, nothing of its handler or response thread:
+cancelled ones and files the caches of finished ones in its prompt cache.  ``install`` patches these
+names of that module:
 
 * ``ModelProvider``: a subclass whose ``_load`` decides, once per loaded model, whether it decodes
   with MTP (settings, drafter, mlx-lm's own modes that rule it out) and logs one line saying so;
@@ -12,7 +12,12 @@ names of that module, nothing of its handler or response thread:
   loop behind the same API); for any other, mlx-lm's own;
 * ``_make_sampler``: the sampler it makes, tagged with the request's sampling arguments, so the MTP
   loop rebuilds the distribution (temperature, top-p, top-k, min-p) instead of drawing one token
-  per round through an opaque sampler.
+  per round through an opaque sampler;
+* ``ResponseGenerator``, ``_run_http_server`` (its handler), ``_make_logits_processors`` and
+  ``scan_cache_dir``: what keeps the server up whatever a client sends (``hosts.server_guards``:
+  requests checked before they reach a generator, a failure inside generation ending its requests
+  and not the generation thread, a served model that can't load refused before the server listens),
+  for a model served with MTP and without alike.
 
 mlx-lm turns batching off when *its* draft model is loaded; the drafter here is not its draft
 model, so batching stays on.  Under ``mlx.launch`` mlx-lm loads the target with its own
@@ -24,6 +29,7 @@ in step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections import deque
 from pathlib import Path
@@ -36,6 +42,8 @@ from ..errors import MTPError
 from ..targets import wrap_target
 from .batch_generator import MTPBatchGenerator
 from .prompt_segments import PromptProgress, StagedPrompt, split_segments
+from .server_guards import (VOCABULARY, bounded_logit_bias, cache_scanner, guarded_generator, guarded_handler,
+                            token_count)
 from .settings import MTPSettings, load_file, validate
 from .strategy import MTPStrategy
 
@@ -43,7 +51,9 @@ log = logging.getLogger("omlx_mtp")
 
 SUPPORTED_MLX_LM = "0.31.3 and 0.32.x"
 SETTINGS_NAME = "omlx-mtp.yaml"  # a model's settings beside its weights, in its directory
-SEAMS = ("ModelProvider", "BatchGenerator", "_make_sampler", "main", "run")
+PATCHED = ("ModelProvider", "BatchGenerator", "_make_sampler", "ResponseGenerator", "_run_http_server",
+           "_make_logits_processors", "scan_cache_dir")
+SEAMS = (*PATCHED, "APIHandler", "main", "run")
 
 
 def check_mlx_lm(version: str, server) -> None:
@@ -245,12 +255,16 @@ class Installation:
         self.settings_file = settings_file
         self.served_model = served_model
         self.strategies: dict[int, tuple[object, MTPStrategy]] = {}  # id(model) -> (model, strategy)
-        self.saved = {name: getattr(server, name) for name in ("ModelProvider", "BatchGenerator", "_make_sampler")}
+        self.saved = {name: getattr(server, name) for name in PATCHED}
 
     def apply(self) -> None:
         self.server.ModelProvider = _provider_class(self.saved["ModelProvider"], self)
         self.server.BatchGenerator = self.batch_generator
         self.server._make_sampler = self.make_sampler
+        self.server.ResponseGenerator = guarded_generator(self.saved["ResponseGenerator"])
+        self.server._run_http_server = self.run_http_server
+        self.server._make_logits_processors = self.make_logits_processors
+        self.server.scan_cache_dir = cache_scanner(self.saved["scan_cache_dir"])
 
     def restore(self) -> None:
         for name, value in self.saved.items():
@@ -270,6 +284,21 @@ class Installation:
 
     def make_sampler(self, args, tokenizer):
         return RequestSampler(self.saved["_make_sampler"](args, tokenizer), args.sampling)
+
+    def make_logits_processors(self, args):
+        """mlx-lm's processors for a request, its logit bias bounded by the logits' width."""
+        bias = args.logits.logit_bias
+        if not bias:
+            return self.saved["_make_logits_processors"](args)
+        rest = dataclasses.replace(args, logits=dataclasses.replace(args.logits, logit_bias=None))
+        return [bounded_logit_bias(bias), *self.saved["_make_logits_processors"](rest)]
+
+    def run_http_server(self, host, port, response_generator, server_class=None, handler_class=None):
+        """What mlx-lm's ``run()`` calls (with no handler class of its own): its HTTP server with
+        the guarded handler."""
+        handler = guarded_handler(handler_class or self.server.APIHandler)
+        extra = {"server_class": server_class} if server_class is not None else {}
+        return self.saved["_run_http_server"](host, port, response_generator, handler_class=handler, **extra)
 
     def loaded(self, provider, model_path: str) -> None:
         """Decide MTP for the model ``provider`` just loaded; one log line says what and why."""
@@ -307,7 +336,10 @@ def _provider_class(base, installation: Installation):
     class MTPModelProvider(base):
         def _load(self, model_path, adapter_path=None, draft_model_path=None):
             installation.strategies.clear()  # the previous model goes
+            setattr(self, VOCABULARY, None)
             super()._load(model_path, adapter_path, draft_model_path)
+            # Read here, in the generation thread: the HTTP threads check logit biases against it.
+            setattr(self, VOCABULARY, (model_path, token_count(self.tokenizer)))
             installation.loaded(self, model_path)
 
     MTPModelProvider.__qualname__ = f"MTP{base.__qualname__}"

@@ -138,7 +138,7 @@ def test_oq_keeps_mtp_only_with_plugin(tree, tmp_path, plugin):
     from .test_quantize import qwen35_checkpoint
 
     run("apply", tree)
-    src, _ = qwen35_checkpoint(tmp_path / "qwen")
+    src, weights = qwen35_checkpoint(tmp_path / "qwen")
     out = tmp_path / "oq4"
     block = "" if plugin else "import sys; sys.modules['omlx_mtp'] = None  # omlx-mtp not installed"
     proc = _python(tree, f"""
@@ -155,8 +155,7 @@ def test_oq_keeps_mtp_only_with_plugin(tree, tmp_path, plugin):
     assert proc.returncode == 0, proc.stderr[-3000:]
     kept = eval(proc.stdout.strip().splitlines()[-1])
     if plugin:
-        assert kept == ["mtp.fc.weight", "mtp.layers.0.mlp.gate_proj.weight",
-                        "mtp.layers.0.self_attn.q_proj.weight", "mtp.norm.weight"]  # kept, unquantized
+        assert kept == sorted(n for n in weights if n.startswith("mtp."))  # kept, unquantized
     else:
         assert kept == []
 

@@ -224,3 +224,29 @@ def test_a_logit_bias_past_the_logits_is_left_out():
     processor = bounded_logit_bias({3: 1.5, 50: 2.0})
     out = processor(None, mx.zeros((2, 10)))
     assert out.shape == (2, 10) and out[:, 3].tolist() == [1.5, 1.5] and float(out.sum()) == 3.0
+
+
+def test_a_bf16_moe_is_served_on_a_cpu_whose_gather_mm_takes_float32_only(tmp_path):
+    """The shipped bf16 GLM demo: served as generate runs it (upcast where the CPU needs it, saying
+    so once), its answers drafting with its MTP layer."""
+    glm = demo_qwen(tmp_path).parent / "demo_glm"
+    port, log = _free_port(), tmp_path / "server.log"
+    with served([str(SCRIPT), "serve", "--model", str(glm), "--port", str(port)], log, port, timeout=120) as url:
+        assert answer(url)
+        assert answer(url, CHAT)
+    text = clean(log)
+    assert "MTP on for" in text
+    assert ("runs upcast to float32" in text) == _cpu_refuses_bf16_gather_mm()
+
+
+def _cpu_refuses_bf16_gather_mm() -> bool:
+    import mlx.core as mx
+
+    if mx.default_device() != mx.cpu:
+        return False
+    try:
+        mx.eval(mx.gather_mm(mx.ones((1, 1, 8), mx.bfloat16), mx.ones((1, 8, 8), mx.bfloat16),
+                             rhs_indices=mx.zeros((1, 1), mx.uint32)))
+    except (RuntimeError, ValueError):
+        return True
+    return False

@@ -3,8 +3,10 @@ ones (a ``vision_config`` or ``audio_config``) through mlx-vlm, as oMLX loads th
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
+import mlx.core as mx
 from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
 from .files import read_config, tensor_infos
@@ -12,6 +14,8 @@ from ..errors import CheckpointError
 from .gemma4_config import normalize_text_config
 from .mtp_tensors import is_mtp_tensor
 from .sharded import shard_model
+
+log = logging.getLogger("omlx_mtp")
 
 SUPPORTED_TARGETS = ("gemma4", "gemma4_text", "qwen3_5", "qwen3_5_moe", "glm4_moe", "glm4_moe_lite", "deepseek_v3",
                      "deepseek_v32", "qwen3_next")
@@ -91,26 +95,7 @@ def load_target(path: str | Path, with_tokenizer: bool = True, sharding: str | N
         raise CheckpointError(f"{directory / 'config.json'}: not a {model_type} config mlx-lm can build "
                               f"({type(exc).__name__}: {exc})") from None
     if not lazy:
-        import logging
-
-        import mlx.core as mx
-
-        # mlx's CPU gather_mm (unquantized routed experts: mlx-lm's and mlx-vlm's SwitchLinear) takes
-        # float32 only.  Probe the backend rather than assume, so Metal and CUDA keep bf16/fp16.
-        half = {m.weight.dtype for _, m in model.named_modules()
-                if type(m).__name__ == "SwitchLinear" and m.weight.dtype in (mx.bfloat16, mx.float16)}
-        refused = []
-        for dtype in half if mx.default_device() == mx.cpu else ():
-            try:
-                mx.eval(mx.gather_mm(mx.ones((1, 1, 8), dtype), mx.ones((1, 8, 8), dtype),
-                                     rhs_indices=mx.zeros((1, 1), mx.uint32)))
-            except (RuntimeError, ValueError):
-                refused.append(str(dtype).rpartition(".")[2])
-        if refused:
-            model.set_dtype(mx.float32)  # all of it, as the tests run such a model: one dtype throughout
-            logging.getLogger("omlx_mtp").warning(
-                "%s: mlx's CPU gather_mm takes float32 only, so this model (%s routed experts) runs upcast to "
-                "float32, at twice the memory", directory, "/".join(refused))
+        upcast_where_the_cpu_needs_it(model, str(directory))
     tokenizer = None
     if with_tokenizer:
         try:
@@ -118,6 +103,25 @@ def load_target(path: str | Path, with_tokenizer: bool = True, sharding: str | N
         except Exception as exc:  # transformers raises many kinds here
             raise CheckpointError(f"{directory}: no usable tokenizer ({exc})") from None
     return model, tokenizer, config
+
+
+def upcast_where_the_cpu_needs_it(model, where: str) -> None:
+    """Upcast a model with bf16/fp16 unquantized routed experts (mlx-lm's and mlx-vlm's SwitchLinear)
+    to float32 where mlx's CPU ``gather_mm`` takes float32 only, saying so in one log line.  The
+    backend is probed rather than assumed, so Metal and CUDA keep bf16/fp16."""
+    half = {m.weight.dtype for _, m in model.named_modules()
+            if type(m).__name__ == "SwitchLinear" and m.weight.dtype in (mx.bfloat16, mx.float16)}
+    refused = []
+    for dtype in half if mx.default_device() == mx.cpu else ():
+        try:
+            mx.eval(mx.gather_mm(mx.ones((1, 1, 8), dtype), mx.ones((1, 8, 8), dtype),
+                                 rhs_indices=mx.zeros((1, 1), mx.uint32)))
+        except (RuntimeError, ValueError):
+            refused.append(str(dtype).rpartition(".")[2])
+    if refused:
+        model.set_dtype(mx.float32)  # all of it, as the tests run such a model: one dtype throughout
+        log.warning("%s: mlx's CPU gather_mm takes float32 only, so this model (%s routed experts) runs upcast "
+                    "to float32, at twice the memory", where, "/".join(refused))
 
 
 def load_plain(path: str | Path):

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..checkpoint.loading import upcast_where_the_cpu_needs_it
 from ..decode.ranks import RankGroup
 from ..drafters import load_drafter, load_merged_drafter
 from ..errors import MTPError
@@ -338,6 +339,7 @@ def _provider_class(base, installation: Installation):
             installation.strategies.clear()  # the previous model goes
             setattr(self, VOCABULARY, None)
             super()._load(model_path, adapter_path, draft_model_path)
+            upcast_where_the_cpu_needs_it(self.model, str(model_path))  # as generate: a bf16 MoE on a CPU
             # Read here, in the generation thread: the HTTP threads check logit biases against it.
             setattr(self, VOCABULARY, (model_path, token_count(self.tokenizer)))
             installation.loaded(self, model_path)

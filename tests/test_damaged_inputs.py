@@ -317,3 +317,31 @@ def test_add_mtp_adds_a_sound_head(quant_without_mtp, tmp_path, capsys):
     assert code == 0, err
     code, report, _ = run(capsys, "inspect", mlx_dir)
     assert code == 0 and "built-in MTP head" in report, report
+
+
+def _text_entry(key, value):
+    return lambda d: _edit_config(d, lambda c: (c.get("text_config") or c).update({key: value}))
+
+
+@pytest.mark.parametrize("damage", [
+    lambda d: _edit_config(d, lambda c: c.update(text_config=5)),
+    _text_entry("num_hidden_layers", "four"),
+    _text_entry("vocab_size", -1),
+    _text_entry("hidden_size", True),
+    lambda d: _edit_config(d, lambda c: c.update(quantization=[1])),
+    lambda d: _edit_config(d, lambda c: c.update(quantization={"bits": "x", "group_size": 64})),
+    lambda d: _edit_config(d, lambda c: c.update(model_type=["qwen3_5"])),
+], ids=["text_config", "layers", "vocab", "width", "quantization", "bits", "model_type"])
+@pytest.mark.parametrize("base", [QWEN_DIR, GLM_DIR, PAIR_DIR / "assistant"], ids=["qwen", "glm", "assistant"])
+def test_config_entries_of_the_wrong_kind_are_named(base, damage, tmp_path, capsys):
+    directory = tmp_path / "model"
+    shutil.copytree(base, directory)
+    damage(directory)
+    for args in (["quantize", directory, tmp_path / "out"], ["inspect", directory],
+                 ["generate", "--model", directory, "--prompt", "x", "--max-tokens", "2"]):
+        code, out, err = run(capsys, *args)
+        if args[0] == "inspect":
+            assert code == 1 and "must be" in out, out
+        else:
+            assert code == 2 and "must be" in one_error_line(err), err
+    assert not (tmp_path / "out").exists()

@@ -24,7 +24,44 @@ def read_config(path: str | Path) -> dict:
         raise CheckpointError(f"{config_file}: not valid JSON ({exc})") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{config_file}: expected a JSON object at the top level")
+    check_config_types(config, str(config_file))
     return config
+
+
+# The config entries that loaders read as numbers or objects, and what each must be (None, JSON's
+# null, is allowed: releases write it for entries a model does not use, e.g. q_lora_rank).
+POSITIVE_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "global_head_dim", "vocab_size", "backbone_hidden_size", "kv_lora_rank", "q_lora_rank",
+                 "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "group_size", "bits", "num_centroids",
+                 "full_attention_interval")
+# Counts a release may set to 0 (a dense model's experts, a window that is off).
+COUNTS = ("mtp_num_hidden_layers", "num_nextn_predict_layers", "n_shared_experts", "first_k_dense_replace",
+          "num_kv_shared_layers", "intermediate_size", "moe_intermediate_size", "num_experts", "n_routed_experts",
+          "num_experts_per_tok", "sliding_window")
+OBJECTS = ("text_config", "vision_config", "audio_config", "quantization", "quantization_config",
+           "rope_parameters", "per_layer_config", "mtp_assistant_config")
+
+
+def check_config_types(config: dict, where: str, path: str = "") -> None:
+    """Refuse, naming the entry, a config whose numbers or nested objects are of the wrong kind
+    (a string for a width, a list for ``quantization``): loaders would fail deep inside."""
+    model_type = config.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        raise CheckpointError(f"{where}: {path}model_type must be a string, got {model_type!r}")
+    for key, value in config.items():
+        if value is None:
+            continue
+        integer = isinstance(value, int) and not isinstance(value, bool)
+        if key in POSITIVE_INTS and not (integer and value > 0):
+            raise CheckpointError(f"{where}: {path}{key} must be a positive integer, got {value!r}")
+        if key in COUNTS and not (integer and value >= 0):
+            raise CheckpointError(f"{where}: {path}{key} must be an integer of at least 0, got {value!r}")
+        if key in OBJECTS:
+            if not isinstance(value, dict):
+                raise CheckpointError(f"{where}: {path}{key} must be a JSON object, got {value!r}")
+            if key in ("text_config", "mtp_assistant_config", "quantization", "quantization_config"):
+                check_config_types({k: v for k, v in value.items() if not isinstance(v, dict) or
+                                    k in OBJECTS}, where, f"{path}{key}.")
 
 
 INDEX = "model.safetensors.index.json"

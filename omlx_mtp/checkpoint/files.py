@@ -47,7 +47,8 @@ def check_config_types(config: dict, where: str, path: str = "") -> None:
     (a string for a width, a list for ``quantization``): loaders would fail deep inside."""
     model_type = config.get("model_type")
     if model_type is not None and not isinstance(model_type, str):
-        raise CheckpointError(f"{where}: {path}model_type must be a string, got {model_type!r}")
+        entry = path + "model_type"
+        raise CheckpointError(f"{where}: {entry} must be a string, got {model_type!r}")
     for key, value in config.items():
         if value is None:
             continue

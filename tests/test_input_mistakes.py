@@ -26,13 +26,9 @@ LATIN1 = "mtp_enabled: true\nmtp_drafter: café\n".encode("latin-1")  # 0xe9 is 
 
 
 def gather_mm_takes_bf16() -> bool:
-    """Whether this device runs gather_mm in bfloat16 (mlx's CPU backend does not)."""
-    try:
-        mx.eval(mx.gather_mm(mx.ones((1, 1, 8), mx.bfloat16), mx.ones((1, 8, 8), mx.bfloat16),
-                             rhs_indices=mx.zeros((1, 1), mx.uint32)))
-        return True
-    except (RuntimeError, ValueError):
-        return False
+    """Whether this device runs gather_mm in bfloat16: mlx's CPU backend does not (0.31 and 0.32).
+    Not probed by running one: on mlx 0.31 the error leaves the heap corrupted and the process aborts."""
+    return mx.default_device() != mx.cpu
 
 
 def expect_error(capsys, argv, *needles) -> str:

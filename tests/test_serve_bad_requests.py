@@ -27,6 +27,7 @@ from omlx_mtp.fixtures.demo import demo_qwen
 from omlx_mtp.hosts.server_guards import BadRequest, bounded_logit_bias, check_request
 
 from .test_serve import ENV, PY, ROOT, SCRIPT, _free_port, disconnect_mid_stream, served
+from .test_input_mistakes import gather_mm_takes_bf16
 
 TEXT, CHAT = "/v1/completions", "/v1/chat/completions"
 GOOD = {TEXT: {"prompt": "def parse_args(argv):", "max_tokens": 8, "temperature": 0},
@@ -236,17 +237,4 @@ def test_a_bf16_moe_is_served_on_a_cpu_whose_gather_mm_takes_float32_only(tmp_pa
         assert answer(url, CHAT)
     text = clean(log)
     assert "MTP on for" in text
-    assert ("runs upcast to float32" in text) == _cpu_refuses_bf16_gather_mm()
-
-
-def _cpu_refuses_bf16_gather_mm() -> bool:
-    import mlx.core as mx
-
-    if mx.default_device() != mx.cpu:
-        return False
-    try:
-        mx.eval(mx.gather_mm(mx.ones((1, 1, 8), mx.bfloat16), mx.ones((1, 8, 8), mx.bfloat16),
-                             rhs_indices=mx.zeros((1, 1), mx.uint32)))
-    except (RuntimeError, ValueError):
-        return True
-    return False
+    assert ("runs upcast to float32" in text) == (not gather_mm_takes_bf16())

@@ -38,12 +38,26 @@ def test_call_sites_import_what_the_package_has():
     import importlib
     import re
 
-    from omlx_mtp.hosts.omlx.patcher import patches_for
+    from omlx_mtp.hosts.omlx.patcher import patch_sets, patches_for
 
-    found = 0
-    for patch in patches_for("0.3.8"):
-        for module, names in re.findall(r"^\+\s*from (omlx_mtp[\w.]*) import (\w+)", patch.read_text(), re.M):
-            found += 1
-            imported = importlib.import_module(module)
-            assert hasattr(imported, names) or importlib.util.find_spec(f"{module}.{names}"), (patch.name, module, names)
-    assert found >= 5
+    for release in patch_sets():
+        found = 0
+        for patch in patches_for(release):
+            for module, names in re.findall(r"^\+\s*from (omlx_mtp[\w.]*) import (\w+)", patch.read_text(), re.M):
+                found += 1
+                imported = importlib.import_module(module)
+                assert hasattr(imported, names) or importlib.util.find_spec(f"{module}.{names}"), (patch.name, module, names)
+        assert found >= 5, release
+
+
+def test_each_patch_set_ships_with_the_releases_it_serves():
+    """The patch sets and their ``releases`` lists are package data: a wheel that left a list out
+    would refuse releases the set was tried on."""
+    from omlx_mtp.hosts.omlx.patcher import patch_sets
+
+    globs = _setuptools()["package-data"]["omlx_mtp.patches"]
+    sets = patch_sets()
+    assert {"0.3.8", "0.6.2"} <= set(sets) and {"0.5.4", "0.6.1"} <= set(sets["0.6.2"])
+    for path in (ROOT / "patches").rglob("*"):
+        if path.is_file() and path.suffix not in (".py", ".pyc"):
+            assert any(path.relative_to(ROOT / "patches").match(g) for g in globs), path

@@ -60,19 +60,77 @@ def omlx_version(root: Path) -> str:
     return match.group(1)
 
 
+RELEASES_FILE = "releases"  # beside a set's patches: the oMLX releases it serves, one a line
+
+
+def _version_key(version: str) -> tuple:
+    return tuple(int(part) if part.isdigit() else -1 for part in re.split(r"[.+-]", version))
+
+
+def patch_sets() -> dict[str, list[str]]:
+    """Each patch set (``patches/omlx-<name>/``) -> the oMLX releases it was tried on and serves:
+    its own release and those listed in its ``releases`` file (their call sites are where the
+    set's patches go, and they served with them); newest set first."""
+    sets = {}
+    for directory in patches_root().glob("omlx-*"):
+        if not directory.is_dir() or not any(directory.glob("*.patch")):
+            continue
+        name = directory.name.removeprefix("omlx-")
+        listed = directory / RELEASES_FILE
+        others = listed.read_text().split() if listed.is_file() else []
+        sets[name] = sorted({name, *others}, key=_version_key)
+    return dict(sorted(sets.items(), key=lambda item: _version_key(item[0]), reverse=True))
+
+
+def set_for(version: str) -> str | None:
+    """The patch set that serves this oMLX release, or None."""
+    return next((name for name, releases in patch_sets().items() if version in releases), None)
+
+
+def supported_releases() -> str:
+    return "; ".join(f"{', '.join(releases)}" for releases in patch_sets().values())
+
+
 def patches_for(version: str) -> list[Path]:
-    directory = patches_root() / f"omlx-{version}"
-    found = sorted(directory.glob("*.patch"))
-    if not found:
-        known = sorted(p.name.removeprefix("omlx-") for p in patches_root().glob("omlx-*") if p.is_dir())
-        raise MTPError(f"oMLX {version} is not supported by this omlx-mtp (patches exist for: {', '.join(known)})")
-    return found
+    name = set_for(version)
+    if name is None:
+        raise MTPError(f"oMLX {version} is not supported by this omlx-mtp (it serves oMLX {supported_releases()})")
+    return sorted((patches_root() / f"omlx-{name}").glob("*.patch"))
 
 
 def older_sets(version: str) -> dict[str, list[Path]]:
     """Release of an earlier omlx-mtp -> its patches for this oMLX version, newest release first."""
-    directory = patches_root() / f"omlx-{version}" / "superseded"
+    name = set_for(version) or version
+    directory = patches_root() / f"omlx-{name}" / "superseded"
     return {d.name: sorted(d.glob("*.patch")) for d in sorted(directory.glob("*"), reverse=True) if d.is_dir()}
+
+
+def moved_call_site(root: Path, version: str) -> str:
+    """For a release no set serves: where the set that fits it furthest stops fitting (the patch,
+    and git's file:line), worked out in a scratch copy; "" where some set fits whole."""
+    best = (-1, "")
+    for name in patch_sets():  # newest first, so a tie names the newer set
+        fitted, moved = _fit(root, sorted((patches_root() / f"omlx-{name}").glob("*.patch")))
+        if not moved:
+            return ""
+        if fitted > best[0]:
+            best = (fitted, f"the omlx-{name} set's {moved}")
+    return best[1]
+
+
+def _fit(root: Path, stack: list[Path]) -> tuple[int, str]:
+    """How many of stack's patches apply in order to a scratch copy of root's files, and where the
+    next one stops fitting ("" when all do)."""
+    with tempfile.TemporaryDirectory(prefix="omlx-mtp-patch-") as scratch:
+        for rel in dict.fromkeys(rel for patch in stack for rel in files_of(patch)):
+            path = root / rel
+            _put(Path(scratch), rel, path.read_bytes() if path.is_file() else None)
+        for fitted, patch in enumerate(stack):
+            result = _git_apply(Path(scratch), [patch])
+            if result.returncode != 0:
+                where = re.findall(r"patch failed: (\S+)", result.stderr)
+                return fitted, f"{patch.name} does not fit {where[0] if where else 'its files'}"
+    return len(stack), ""
 
 
 def _git_apply(root: Path, patches: list[Path], *flags: str) -> subprocess.CompletedProcess:
@@ -141,7 +199,7 @@ def _forward(scratch: Path, rel: str, stack: list[Path]) -> str | None:
             if _git_apply(scratch, [patch], _only(rel), "--check").returncode == 0:
                 raise _scratch_failed(rel, result)
             lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-            return lines[0] if lines else f"{rel}: {patch.name} does not apply"
+            return f"{patch.name}: {lines[0] if lines else f'{rel} does not fit'}"
     return None
 
 
@@ -205,6 +263,10 @@ class Survey:
 
 def survey(root: Path) -> Survey:
     version = omlx_version(root)
+    if set_for(version) is None:
+        moved = moved_call_site(root, version)
+        raise MTPError(f"oMLX {version} is not supported by this omlx-mtp (it serves oMLX {supported_releases()})"
+                       + (f": {moved}" if moved else ": its call sites fit, but it has not been tried") + "; nothing was changed")
     mine, older = patches_for(version), older_sets(version)
     rels = list(dict.fromkeys(rel for patch in [*mine, *(p for s in older.values() for p in s)]
                               for rel in files_of(patch)))

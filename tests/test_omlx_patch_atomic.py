@@ -2,7 +2,7 @@
 a tree a killed run left half-patched is recognised file by file (``check`` says so, ``revert``
 restores the release, ``apply`` completes it).
 
-Runs when OMLX_SRC points at an oMLX 0.3.8 tree (read-only: every test works on a copy).  Trees are
+Runs when OMLX_SRC points at an oMLX tree this package serves (read-only: every test works on a copy).  Trees are
 compared by hashing every file in them (so a temporary or journal left behind counts too)."""
 
 from __future__ import annotations
@@ -20,14 +20,16 @@ import pytest
 
 from omlx_mtp.errors import MTPError
 from omlx_mtp.hosts.omlx import atomic
-from omlx_mtp.hosts.omlx.patcher import _git_apply, patches_root, run
+from omlx_mtp.hosts.omlx.patcher import _git_apply, files_of, patches_for, patches_root, run
 from omlx_mtp.tools.cli import main
 
-SOURCE = os.environ.get("OMLX_SRC")
-pytestmark = pytest.mark.skipif(not SOURCE or not (Path(SOURCE) / "omlx" / "_version.py").is_file(),
-                                reason="OMLX_SRC does not point at an oMLX 0.3.8 tree")
+from .test_omlx_patch import HOST, SOURCE, only_on
 
-ROUTES = "omlx/admin/routes.py"  # the last file the 0.3.8 patches touch, so the others are replaced first
+pytestmark = pytest.mark.skipif(HOST is None, reason="OMLX_SRC does not point at an oMLX tree")
+
+# The files the host's patches touch, in the order they are replaced.
+FILES = list(dict.fromkeys(rel for patch in patches_for(HOST) for rel in files_of(patch))) if HOST else []
+ROUTES = "omlx/admin/routes.py"  # the last file the patches touch, so the others are replaced first
 NOBODY = 65534
 
 
@@ -156,7 +158,7 @@ def test_failed_rename_puts_back_the_files_already_replaced(tree, monkeypatch, f
     with pytest.raises(MTPError if isinstance(failure, OSError) else KeyboardInterrupt) as raised:
         run(action, tree)
     if isinstance(failure, OSError):
-        assert str(raised.value).count("\n") == 0 and "omlx/scheduler.py: Permission denied" in str(raised.value)
+        assert str(raised.value).count("\n") == 0 and f"{FILES[2]}: Permission denied" in str(raised.value)
         assert "nothing was changed" in str(raised.value)
     assert len(calls) == 5  # three renames tried, two put back
     assert hashes(tree) == before
@@ -168,8 +170,9 @@ def test_failed_rename_puts_back_the_files_already_replaced(tree, monkeypatch, f
 
 # --- a run killed halfway ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("renames, keep_journal", [(1, True), (2, False), (5, False)])
+@pytest.mark.parametrize("renames, keep_journal", [(1, True), (2, False), (-1, False)])
 def test_killed_apply_is_recognised_reverted_and_completed(tree, renames, keep_journal, release, applied, capsys):
+    renames %= len(FILES)  # -1: all but the last file
     killed(tree, "apply", renames)
     if not keep_journal:  # what the files say on their own is enough
         atomic.journal_path(tree).unlink()
@@ -208,6 +211,7 @@ def test_killed_before_or_after_renaming_and_killed_revert(tree, release, applie
     assert hashes(tree) == release
 
 
+@only_on("0.3.8")
 def test_killed_upgrade_from_0_1_0(tree, release, applied, capsys):
     """A killed upgrade leaves files with 0.1.0's call sites and files with the current ones."""
     old = sorted((patches_root() / "omlx-0.3.8" / "superseded" / "0.1.0").glob("*.patch"))
@@ -259,7 +263,7 @@ def test_edited_patched_line_refused_untouched(tree, capsys):
 
 
 def test_edited_patched_line_in_a_half_applied_tree_refused_untouched(tree, release, capsys):
-    killed(tree, "apply", 5)  # engine_pool.py is the fifth file: patched, routes.py not
+    killed(tree, "apply", FILES.index(EDITED) + 1)  # engine_pool.py patched, routes.py (the last) not
     edit_call_site(tree)
     refused_untouched(tree, capsys)
     path = tree / EDITED  # the user puts the line back: revert now repairs the tree

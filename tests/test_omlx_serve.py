@@ -23,13 +23,12 @@ from omlx_mtp.tools.cli import main
 from omlx_mtp.fixtures.demo import demo_pair
 from omlx_mtp.hosts.omlx.patcher import run
 
-from .test_omlx_patch import SOURCE, omlx_env, runs_omlx
+from .test_omlx_patch import HOST, SOURCE, omlx_env, runs_omlx
 
 httpx = pytest.importorskip("httpx")
 # Tests that serve: an oMLX 0.3.8 tree at OMLX_SRC, run with its pinned mlx-lm.
 SERVES = [
-    pytest.mark.skipif(not SOURCE or not (Path(SOURCE) / "omlx" / "_version.py").is_file(),
-                       reason="OMLX_SRC does not point at an oMLX 0.3.8 tree"),
+    pytest.mark.skipif(HOST is None, reason="OMLX_SRC does not point at an oMLX tree"),
     runs_omlx,
 ]
 pytestmark = SERVES
@@ -177,7 +176,9 @@ def test_omlx_own_tests_pass_on_patched_tree(tmp_path):
     run("apply", tree)
     files = ["tests/test_oq.py", "tests/test_model_settings.py", "tests/test_model_settings_profiles.py",
              "tests/test_scheduler.py", "tests/test_scheduler_logits_processors.py"]
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files], cwd=tree,
+    # (0.6.2's snapshot lacks the calibration data one of its oQ tests reads.)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files,
+                           "-k", "not oqe_calibration_json"], cwd=tree,
                           env=omlx_env(tree), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:]
     print(proc.stdout.strip().splitlines()[-1])

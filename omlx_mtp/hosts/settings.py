@@ -9,6 +9,7 @@ A file is a mapping of these keys (all optional, only ``mtp_enabled: true`` turn
     mtp_max_draft_tokens: 8        # only with mtp_draft_tokens: auto
     mtp_query_position: bonus      # "bonus" (N) or "last" (N-1)
     mtp_min_acceptance: 0.3        # below this measured rate a request falls back to plain decoding
+    mtp_engine: omlx-mtp           # where oMLX has MTP of its own (0.3.9 on): "omlx" hands the model to it
 
 Where they are read from: the presets shipped in ``model_settings/<model-id>.yaml`` first, then the
 user's ``<base>/model_settings/<model-id>.yaml`` on top, where ``<base>`` is ``$OMLX_BASE_PATH`` or
@@ -40,6 +41,7 @@ def _preset_dir() -> Path:
 PRESET_DIR = _preset_dir()
 MAX_DRAFT_TOKENS = 16
 QUERY_POSITIONS = ("bonus", "last")
+ENGINE_PLUGIN, ENGINE_HOST = "omlx-mtp", "omlx"  # who drafts where the host has MTP of its own
 
 
 class SettingsError(MTPError):
@@ -54,6 +56,7 @@ class MTPSettings:
     mtp_max_draft_tokens: int = 8
     mtp_query_position: str = "bonus"
     mtp_min_acceptance: float = 0.3
+    mtp_engine: str = ENGINE_PLUGIN
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -66,6 +69,8 @@ DESCRIPTIONS = {
     "mtp_max_draft_tokens": f"largest depth 'auto' may choose, 1..{MAX_DRAFT_TOKENS}",
     "mtp_query_position": "drafter query position: 'bonus' (N) or 'last' (N-1)",
     "mtp_min_acceptance": "acceptance rate below which a request falls back to plain decoding, 0..1",
+    "mtp_engine": f"who drafts where oMLX has MTP of its own: {ENGINE_PLUGIN!r} (this package, where it serves "
+                  f"the family) or {ENGINE_HOST!r} (oMLX's own MTP)",
 }
 
 
@@ -105,6 +110,8 @@ def validate(data, where: str) -> MTPSettings:
         value = data["mtp_min_acceptance"]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
             raise bad("mtp_min_acceptance", "a number between 0 and 1")
+    if "mtp_engine" in data and data["mtp_engine"] not in (ENGINE_PLUGIN, ENGINE_HOST):
+        raise bad("mtp_engine", f"{ENGINE_PLUGIN!r} or {ENGINE_HOST!r}")
     return MTPSettings(**data)
 
 

@@ -113,7 +113,8 @@ def mlx_lm_text_over(vlm_text) -> qwen3_5.TextModel:
     quantized = {path: _quantization(module) for path, module in vlm_text.named_modules() if _quantization(module)}
     if quantized:
         nn.quantize(text, class_predicate=lambda path, _: quantized.get(path, False))
-    theirs = dict(tree_flatten(vlm_text.parameters()))
+    # An MTP module a host attached to mlx-vlm's model (oMLX 0.4 on binds the head there) is not the trunk's.
+    theirs = {k: v for k, v in tree_flatten(vlm_text.parameters()) if not k.startswith("mtp.")}
     ours = dict(tree_flatten(text.parameters()))
     differ = sorted(set(theirs) ^ set(ours)) + sorted(k for k in theirs.keys() & ours.keys() if theirs[k].shape != ours[k].shape)
     if differ:

@@ -10,6 +10,8 @@ from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
+from ..settings import ENGINE_HOST, ENGINE_PLUGIN
+from . import host_switches
 from .turboquant import note_turboquant
 
 log = logging.getLogger("omlx_mtp.hosts.omlx")
@@ -99,15 +101,22 @@ def engine_built(engine, model_id: str, model_path: str | None = None) -> None:
         _unavailable[model_id] = f"oMLX serves it with {kind}, which has no MTP support"
 
 
-def attach_decode_strategy(scheduler, model, model_path: str, model_id: str | None = None):
+def attach_decode_strategy(scheduler, model, model_path: str, model_id: str | None = None, host_settings=None):
     """At engine start: the plugins' settings, drafter and decode strategy for this model, handed
-    to the scheduler.  Whatever goes wrong is logged and the model serves with plain decoding."""
+    to the scheduler.  Whatever goes wrong is logged and the model serves with plain decoding.
+    ``model_id``: oMLX's id for the model (0.6.2 passes it; 0.3.8's id is the directory's name);
+    ``host_settings``: oMLX's own ``ModelSettings`` for it (0.6.2), whose MTP switches count too."""
     model_id = model_id or Path(str(model_path)).name
     hook = plugin_manager().hook
     scheduler.mtp_unavailable = settings = None  # why a model whose settings ask for MTP decodes plain
+    scheduler.mtp_host_engine = None  # why oMLX's own MTP drafts for this model instead (0.3.9 on)
+    switched_by = ""
     try:
         settings = hook.omlx_model_settings(model_id=model_id, model_path=str(model_path), base_path=_base_path())
+        settings, switched_by = host_switches.merged(settings, host_settings)
         if not settings:
+            if switched_by and host_switches.host_drafts(model):  # mtp_engine: omlx
+                _hand_to_host(scheduler, model_id, "its settings say mtp_engine: omlx")
             return None
         with _warnings_logged() as warned:
             drafter = hook.omlx_load_drafter(model_id=model_id, model_path=str(model_path), model=model,
@@ -123,6 +132,11 @@ def attach_decode_strategy(scheduler, model, model_path: str, model_id: str | No
             scheduler.mtp_unavailable = "no plugin gave a decode strategy"
         else:  # the plugin logged why
             scheduler.mtp_unavailable = warned[-1] if warned else "no drafter was loaded"
+        if host_switches.host_drafts(model):
+            _hand_to_host(scheduler, model_id, f"omlx-mtp can't draft for it ({scheduler.mtp_unavailable})")
+            scheduler.mtp_unavailable = None
+    elif strategy is not None and host_switches.stand_aside(model):
+        log.info("omlx-mtp: %s: oMLX's own MTP stands aside (omlx-mtp drafts for this model)", model_id)
     scheduler.decode_strategy = strategy
     scheduler.batch_generator = None  # the next request makes one through the strategy
     if strategy is not None:
@@ -135,6 +149,19 @@ def attach_decode_strategy(scheduler, model, model_path: str, model_id: str | No
         except Exception as exc:
             log.warning("omlx-mtp: %s: TurboQuant setting unreadable: %s: %s", model_id, type(exc).__name__, exc)
     return strategy
+
+
+def _hand_to_host(scheduler, model_id: str, why: str) -> None:
+    log.info("omlx-mtp: %s: oMLX's own MTP drafts: %s", model_id, why)
+    scheduler.mtp_host_engine = why
+
+
+def insert_kwargs(generator, request) -> dict:
+    """For the scheduler's ``batch_generator.insert`` calls: the request's sampling parameters where
+    the generator draws from the distribution itself (MTP rejection sampling), else nothing."""
+    if getattr(generator, "wants_sampling_params", False):
+        return {"sampling_params": [request.sampling_params]}
+    return {}
 
 
 def batch_generator(scheduler, factory, **kwargs):
@@ -184,7 +211,10 @@ def mtp_stats(source) -> dict | None:
             counters = getattr(getattr(scheduler, "decode_strategy", None), "stats", None)
             stats = counters.snapshot() if counters is not None else None
             if isinstance(stats, dict):
-                return stats
+                return {"engine": ENGINE_PLUGIN, **stats}
+            handed = getattr(scheduler, "mtp_host_engine", None)
+            if isinstance(handed, str):  # oMLX's counters are its own (in its log)
+                return {"enabled": True, "engine": ENGINE_HOST, "reason": handed}
             reason = getattr(scheduler, "mtp_unavailable", None)
         return {"enabled": False, "reason": reason} if isinstance(reason, str) else None
     except Exception as exc:

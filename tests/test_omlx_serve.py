@@ -124,6 +124,16 @@ def mtp_lines(log_path: Path) -> list[str]:
     return [line for line in log_path.read_text().splitlines() if "omlx-mtp: request uid" in line]
 
 
+def equal_streaming_and_not(url, log_path: Path, mtp: str, plain: str, prompts) -> list[str]:
+    """Each prompt to both models, streamed and not, answers equal at T=0; the MTP request lines
+    the server logged meanwhile."""
+    before = len(mtp_lines(log_path))
+    for stream in (False, True):
+        for prompt in prompts:
+            assert chat(url, mtp, prompt, stream)[0] == chat(url, plain, prompt, stream)[0], (mtp, prompt, stream)
+    return mtp_lines(log_path)[before:]
+
+
 def test_mtp_equals_plain_streaming_and_not(server):
     url, log_path = server
     for stream in (False, True):

@@ -13,7 +13,7 @@ import pytest
 from omlx_mtp.fixtures.demo import demo_qwen
 
 from .test_omlx_patch import _python, only_on
-from .test_omlx_serve import SERVES, chat, models_mtp, mtp_lines, omlx_server, patched_tree
+from .test_omlx_serve import SERVES, chat, equal_streaming_and_not, models_mtp, mtp_lines, omlx_server, patched_tree
 
 pytestmark = [*SERVES, only_on("0.6.2")]
 
@@ -47,15 +47,11 @@ def server(tmp_path_factory):
 
 def test_omlx_switch_drafts_with_omlx_mtp_and_equals_plain(server):
     url, log_path = server
-    before = len(mtp_lines(log_path))
-    for stream in (False, True):
-        for prompt in PROMPTS:
-            assert chat(url, "qwen-switch", prompt, stream)[0] == chat(url, "qwen-plain", prompt, stream)[0]
+    lines = equal_streaming_and_not(url, log_path, "qwen-switch", "qwen-plain", PROMPTS)
     text = log_path.read_text()
     # oMLX's largest depth became auto's largest depth
     assert "qwen-switch decodes with omlx-mtp (draft tokens auto up to 2" in text
     assert "qwen-switch: oMLX's own MTP stands aside" in text
-    lines = mtp_lines(log_path)[before:]
     assert len(lines) == 2 * len(PROMPTS) and all("drafts accepted" in line for line in lines)
     status = models_mtp(url)
     assert status["qwen-switch"]["engine"] == "omlx-mtp" and status["qwen-switch"]["requests"] >= 2 * len(PROMPTS)

@@ -21,8 +21,8 @@ from omlx_mtp.tools.cli import main
 from omlx_mtp.fixtures.tiny import TinySpec, write_assistant
 from omlx_mtp.fixtures.tiny_vlm import add_towers, demo_vlm
 
-from .test_omlx_serve import SERVES, chat, concurrent_requests_equal_plain, mtp_lines, omlx_server, patched_tree
-from .test_omlx_serve import httpx
+from .test_omlx_serve import (SERVES, chat, concurrent_requests_equal_plain, equal_streaming_and_not, httpx, mtp_lines,
+                              omlx_server, patched_tree)
 
 pytest.importorskip("mlx_vlm")
 pytestmark = SERVES
@@ -86,11 +86,7 @@ def test_vlm_engine_serves_mtp(server):
 
 def test_text_requests_equal_streaming_and_not(server):
     url, log_path = server
-    before = len(mtp_lines(log_path))
-    for stream in (False, True):
-        for prompt in TEXT:
-            assert chat(url, "demo-vlm-mtp", prompt, stream)[0] == chat(url, "demo-vlm-plain", prompt, stream)[0]
-    lines = mtp_lines(log_path)[before:]
+    lines = equal_streaming_and_not(url, log_path, "demo-vlm-mtp", "demo-vlm-plain", TEXT)
     assert len(lines) == 2 * len(TEXT)
     assert all(" 0 of " not in line and "drafts accepted" in line for line in lines)
 

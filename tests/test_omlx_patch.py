@@ -402,7 +402,7 @@ def test_mtp_stats_in_scheduler_pool_and_admin(tree, plugin):
     """)
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
-    expected = {"enabled": True, "requests": 2, "running": 1, "rounds": 7}
+    expected = {"engine": "omlx-mtp", "enabled": True, "requests": 2, "running": 1, "rounds": 7}
     assert seen["scheduler"]["plain"] == {"num_waiting": 0, "num_running": 0, "num_requests_processed": 0,
                                           "total_prompt_tokens": 0, "total_completion_tokens": 0}
     assert set(seen["admin"]) == {"mtp", "plain"}

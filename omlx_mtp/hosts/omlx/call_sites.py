@@ -110,7 +110,6 @@ def attach_decode_strategy(scheduler, model, model_path: str, model_id: str | No
     hook = plugin_manager().hook
     scheduler.mtp_unavailable = settings = None  # why a model whose settings ask for MTP decodes plain
     scheduler.mtp_host_engine = None  # why oMLX's own MTP drafts for this model instead (0.3.9 on)
-    switched_by = ""
     try:
         settings = hook.omlx_model_settings(model_id=model_id, model_path=str(model_path), base_path=_base_path())
         settings, switched_by = host_switches.merged(settings, host_settings)

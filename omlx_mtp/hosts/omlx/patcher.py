@@ -87,14 +87,15 @@ def set_for(version: str) -> str | None:
     return next((name for name, releases in patch_sets().items() if version in releases), None)
 
 
-def supported_releases() -> str:
-    return "; ".join(f"{', '.join(releases)}" for releases in patch_sets().values())
+def not_supported(version: str) -> str:
+    releases = "; ".join(", ".join(listed) for listed in patch_sets().values())
+    return f"oMLX {version} is not supported by this omlx-mtp (it serves oMLX {releases})"
 
 
 def patches_for(version: str) -> list[Path]:
     name = set_for(version)
     if name is None:
-        raise MTPError(f"oMLX {version} is not supported by this omlx-mtp (it serves oMLX {supported_releases()})")
+        raise MTPError(not_supported(version))
     return sorted((patches_root() / f"omlx-{name}").glob("*.patch"))
 
 
@@ -110,7 +111,7 @@ def moved_call_site(root: Path, version: str) -> str:
     and git's file:line), worked out in a scratch copy; "" where some set fits whole."""
     best = (-1, "")
     for name in patch_sets():  # newest first, so a tie names the newer set
-        fitted, moved = _fit(root, sorted((patches_root() / f"omlx-{name}").glob("*.patch")))
+        fitted, moved = _fit(root, patches_for(name))
         if not moved:
             return ""
         if fitted > best[0]:
@@ -265,8 +266,8 @@ def survey(root: Path) -> Survey:
     version = omlx_version(root)
     if set_for(version) is None:
         moved = moved_call_site(root, version)
-        raise MTPError(f"oMLX {version} is not supported by this omlx-mtp (it serves oMLX {supported_releases()})"
-                       + (f": {moved}" if moved else ": its call sites fit, but it has not been tried") + "; nothing was changed")
+        raise MTPError(not_supported(version) + (f": {moved}" if moved else ": its call sites fit, but it has not been tried")
+                       + "; nothing was changed")
     mine, older = patches_for(version), older_sets(version)
     rels = list(dict.fromkeys(rel for patch in [*mine, *(p for s in older.values() for p in s)]
                               for rel in files_of(patch)))

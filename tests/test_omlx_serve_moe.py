@@ -1,6 +1,7 @@
-"""oMLX 0.3.8 serving the MoE families with built-in MTP layers, over HTTP: a GLM-4.5-Air-like
+"""oMLX (0.3.8 and 0.6.2) serving the MoE families with built-in MTP layers, over HTTP: a GLM-4.5-Air-like
 checkpoint (mlx-lm ``glm4_moe``, its nextn layer at ``model.layers.{N}``) quantized by ``omlx-mtp
-quantize`` and by oMLX's own oQ (patched: the layer kept), and a Qwen3-Next-like one (``qwen3_next``,
+quantize`` and by oMLX's own oQ (patched: the layer kept; on 0.6.2 where its "preserve MTP"
+switch is on), and a Qwen3-Next-like one (``qwen3_next``,
 ``mtp.*``) quantized by ``omlx-mtp quantize``.
 
 GLM-4.5-Air ships the layer's own ``embed_tokens`` and ``shared_head.head`` (GLM-4.6's bf16 release
@@ -27,7 +28,7 @@ import pytest
 
 from omlx_mtp.tools.cli import main
 
-from .test_omlx_patch import HOST, _python
+from .test_omlx_patch import OQ_KEEP_MTP, _python
 from .test_omlx_serve import (SERVES, chat, concurrent_requests_equal_plain, models_mtp, mtp_lines, omlx_server,
                               patched_tree)
 
@@ -36,8 +37,8 @@ pytest.importorskip("torch")  # tiny_nextn draws its tensors through transformer
 pytest.importorskip("transformers")
 
 PROMPTS = ["def parse_args(argv):", "class Queue:", "import os\nimport sys\n", "    return self"]
-# glm-oq: quantized by oMLX's own oQ, whose nextn layer only 0.3.8's patched oQ keeps so far.
-MODELS = ("glm", "glm-oq", "qwen-next") if HOST == "0.3.8" else ("glm", "qwen-next")
+# glm-oq: quantized by oMLX's own oQ, whose nextn layer only the patched oQ keeps.
+MODELS = ("glm", "glm-oq", "qwen-next")
 QUIET = {"glm": 1e-4, "qwen-next": 3e-4}  # half to a third of the drafts accepted (measured)
 OUTPUTS = ("o_proj.weight", "out_proj.weight", "down_proj.weight")  # what a layer adds to the residual
 SETTINGS = "mtp_enabled: true\nmtp_draft_tokens: 3\nmtp_min_acceptance: 0\n"  # a fixed depth, never plain
@@ -118,10 +119,10 @@ def server(tmp_path_factory):
     models, base = root / "models", root / "base"
     for name, src in (("glm", glm), ("qwen-next", qwen_next)):  # float32: mlx's CPU gather_mm
         assert main(["quantize", str(src), str(models / f"{name}-mtp"), "--bits", "8", "--dtype", "float32"]) == 0
-    if "glm-oq" in MODELS:
-        proc = _python(tree, "from omlx.oq import quantize_oq_streaming; "
-                             f"quantize_oq_streaming({str(glm)!r}, {str(models / 'glm-oq-mtp')!r}, 8, dtype='float16')")
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _python(tree, "from omlx.oq import quantize_oq_streaming; "
+                         f"quantize_oq_streaming({str(glm)!r}, {str(models / 'glm-oq-mtp')!r}, 8, dtype='float16'"
+                         f"{OQ_KEEP_MTP})")
+    assert proc.returncode == 0, proc.stderr[-3000:]
     (base / "model_settings").mkdir(parents=True)
     for name in MODELS:
         shutil.copytree(models / f"{name}-mtp", models / f"{name}-plain")

@@ -112,9 +112,9 @@ def attach_decode_strategy(scheduler, model, model_path: str, model_id: str | No
     scheduler.mtp_host_engine = None  # why oMLX's own MTP drafts for this model instead (0.3.9 on)
     try:
         settings = hook.omlx_model_settings(model_id=model_id, model_path=str(model_path), base_path=_base_path())
-        settings, switched_by = host_switches.merged(settings, host_settings)
+        settings, switched_by = host_switches.merged(settings, host_settings, model_path)
         if not settings:
-            if switched_by and host_switches.host_drafts(model):  # mtp_engine: omlx
+            if switched_by and host_switches.host_drafts(model, scheduler, host_settings):  # mtp_engine: omlx
                 _hand_to_host(scheduler, model_id, "its settings say mtp_engine: omlx")
             return None
         with _warnings_logged() as warned:
@@ -131,10 +131,10 @@ def attach_decode_strategy(scheduler, model, model_path: str, model_id: str | No
             scheduler.mtp_unavailable = "no plugin gave a decode strategy"
         else:  # the plugin logged why
             scheduler.mtp_unavailable = warned[-1] if warned else "no drafter was loaded"
-        if host_switches.host_drafts(model):
+        if host_switches.host_drafts(model, scheduler, host_settings):
             _hand_to_host(scheduler, model_id, f"omlx-mtp can't draft for it ({scheduler.mtp_unavailable})")
             scheduler.mtp_unavailable = None
-    elif strategy is not None and host_switches.stand_aside(model):
+    elif strategy is not None and host_switches.stand_aside(model, scheduler):
         log.info("omlx-mtp: %s: oMLX's own MTP stands aside (omlx-mtp drafts for this model)", model_id)
     scheduler.decode_strategy = strategy
     scheduler.batch_generator = None  # the next request makes one through the strategy

@@ -219,9 +219,13 @@ def test_unreadable_cache_decodes_plain_inside(pair_31b, plain_runs):
     requests, plain = plain_runs["31b"]
     requests = fresh(requests)[:3]
     requests[1]["cache"] = unreadable(prefilled(pair.model, requests[1]["prompt"]))
-    ours = run(mtp_generator(pair, pair.drafter, K=2), pair.model, requests)
+    generator = mtp_generator(pair, pair.drafter, K=2)
+    ours = run(generator, pair.model, requests)
     for i in range(3):
         assert ours[i][:2] == plain[i][:2]
+    # the host's loop ran it under this loop's uid (oMLX 0.6.2 looks samplers up by model and uid)
+    assert generator._plain is not None and generator._from_plain == {} and generator._to_plain == {}
+    assert generator._plain._uid_count == 2  # uid 1 was the host loop's one request
 
 
 def test_sampled_rows_have_the_target_distribution(small):  # noqa: F811

@@ -200,6 +200,11 @@ class MTPBatchGenerator:
                       samplers=[p.sampler], logits_processors=[p.processors])
         if p.stops is not None:
             kwargs["state_machines" if hasattr(p.stops, "make_state") else "stop_sequences"] = [p.stops]
+        # The host's loop numbers this request as this loop does: oMLX 0.6.2 keeps each request's
+        # sampler and processors by (model, uid) and realigns every step of mlx-lm's loop from that
+        # table, so a uid of the host loop's own count would run another request's sampler.
+        if isinstance(getattr(self._plain, "_uid_count", None), int):
+            self._plain._uid_count = p.uid
         (plain_uid,) = self._plain.insert([p.prompt], **kwargs)
         self._to_plain[p.uid], self._from_plain[plain_uid] = plain_uid, p.uid
         return []

@@ -228,6 +228,7 @@ def test_unreadable_cache_decodes_plain_inside(pair_31b, plain_runs):
     assert generator._plain._uid_count == 2  # uid 1 was the host loop's one request
 
 
+@pytest.mark.slow
 def test_sampled_rows_have_the_target_distribution(small):  # noqa: F811
     """Sampling parameters given as oMLX gives them: rejection sampling through this API must
     reproduce plain sampling's joint distribution of the first tokens."""

@@ -60,6 +60,7 @@ def lowered(pair_dir, drafter_dir, quantize: bool):
     return model, target, drafter
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quantize", [False, True], ids=["bf16", "bf16-q4"])
 def test_divergences_only_at_near_ties(spread_pair, quantize):
     pair = spread_pair

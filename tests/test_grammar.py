@@ -221,6 +221,7 @@ def exact_constrained_joint(model, params: SamplingParams, compiled) -> np.ndarr
     return joint
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter_kind", ["assistant", "mixture"])
 def test_constrained_sampling_matches_exact_distribution(small, drafter_kind):  # noqa: F811
     model, target, assistant = small

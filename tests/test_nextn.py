@@ -184,6 +184,7 @@ def small_glm(tmp_path_factory):
     return model, target, load_merged_drafter(directory, target)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", CASES[:2], ids=["T1", "T0.7"])
 def test_sampling_matches_exact_distribution(small_glm, params):
     model, target, head = small_glm

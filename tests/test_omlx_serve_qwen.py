@@ -17,7 +17,7 @@ import pytest
 from omlx_mtp.fixtures.demo import demo_qwen
 from omlx_mtp.fixtures.tiny_qwen import add_vision
 
-from .test_omlx_patch import OQ_KEEP_MTP, _python
+from .test_omlx_patch import HOST, _python
 from .test_omlx_serve import (SERVES, chat, concurrent_requests_equal_plain, equal_streaming_and_not, mtp_lines,
                               omlx_server, patched_tree)
 from .test_omlx_serve_vlm import with_image
@@ -36,8 +36,12 @@ def server(tmp_path_factory):
     text = demo_qwen(root / "demo")
     sources = {"qwen": text, "qwen-vl": add_vision(text, root / "demo-vl")}
     models, base = root / "models", root / "base"
+    # oQ keeps the head: 0.3.8 through the patch, later releases when asked (their own preserve_mtp).
+    # Its sensitivity pass stays here: given a map instead, 0.6.2's oQ wrote a VL model that oMLX
+    # served with its LLM engine, not its VLM engine.
+    keep = "" if HOST == "0.3.8" else ", preserve_mtp=True"
     quantize = "; ".join(f"quantize_oq_streaming({str(src)!r}, {str(models / (name + '-mtp'))!r}, 8, group_size=32, "
-                         f"dtype='float16'{OQ_KEEP_MTP})" for name, src in sources.items())
+                         f"dtype='float16'{keep})" for name, src in sources.items())
     proc = _python(tree, f"from omlx.oq import quantize_oq_streaming; {quantize}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     (base / "model_settings").mkdir(parents=True)

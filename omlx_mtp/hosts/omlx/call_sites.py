@@ -59,12 +59,18 @@ def write_side_shard(output, tensors: dict, config: dict) -> None:
 
 def preserving_sanitizer(sanitize, config: dict):
     """Wrap a model's sanitize() so the tensors plugins want kept (MTP heads) survive it."""
+    from ...checkpoint.mtp_tensors import is_mtp_tensor
 
     def sanitize_keeping(weights):
         keep = {}
         for found in plugin_manager().hook.omlx_tensors_to_preserve(weights=weights, config=config):
             keep.update(found)
         out = sanitize(weights)
+        # A host whose sanitize keeps the MTP module itself (oMLX 0.6.2's, for Qwen3.5) may rename
+        # it (``mtp.*`` -> ``language_model.mtp.*``): its tensors stand, and adding the old names
+        # back would give a loader names it has no place for.
+        if any(is_mtp_tensor(name, config) for name in out):
+            return out
         missing = {name: value for name, value in keep.items() if name not in out}
         if missing:
             log.info("omlx-mtp: keeping %d MTP tensors that sanitize() dropped", len(missing))

@@ -37,8 +37,6 @@ def server(tmp_path_factory):
     sources = {"qwen": text, "qwen-vl": add_vision(text, root / "demo-vl")}
     models, base = root / "models", root / "base"
     # oQ keeps the head: 0.3.8 through the patch, later releases when asked (their own preserve_mtp).
-    # Its sensitivity pass stays here: given a map instead, 0.6.2's oQ wrote a VL model that oMLX
-    # served with its LLM engine, not its VLM engine.
     keep = "" if HOST == "0.3.8" else ", preserve_mtp=True"
     quantize = "; ".join(f"quantize_oq_streaming({str(src)!r}, {str(models / (name + '-mtp'))!r}, 8, group_size=32, "
                          f"dtype='float16'{keep})" for name, src in sources.items())

@@ -203,6 +203,7 @@ def test_oq_puts_a_multimodal_checkpoints_head_where_mlx_vlm_does_not_load(tree,
     assert proc.stdout.strip().splitlines()[-1] == "Qwen35MTPHead ['model.safetensors', 'mtp.safetensors']"
     assert (out / "mtp" / "mtp.safetensors").is_file()
 
+
 def _merged_gemma(directory: Path) -> Path:
     """A Gemma 4 (multimodal type) with its assistant merged in, unquantized: ``omlx-mtp quantize
     --assistant`` with no ``--bits``."""

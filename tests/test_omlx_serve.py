@@ -237,3 +237,44 @@ def test_mtp_counters_in_status_during_a_streamed_request(server):
     assert admin.status_code == 200, admin.text[:300]
     active = {m["id"]: m.get("mtp") for m in admin.json()["active_models"]["models"]}
     assert active["demo-mtp"] == mtp and active["demo-plain"] is None and active["demo-bad"] == after["demo-bad"]
+
+
+def streamed_with_stop(url, model, content, stop: str, deadline: float = 60.0) -> tuple[str, str | None]:
+    """A streamed T=0 request ending at ``stop``: (text, finish reason).  The stream must end within
+    ``deadline`` seconds: oMLX keeps an open stream alive with keep-alive chunks, so a request the
+    host lost would otherwise wait for ever."""
+    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 64,
+            "temperature": 0, "stream": True, "stop": [stop]}
+    text, finish, started = "", None, time.monotonic()
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
+        for line in response.iter_lines():
+            assert time.monotonic() - started < deadline, f"stream for stop {stop!r} still open: {text!r}"
+            if line.startswith("data: ") and line[6:] != "[DONE]":
+                for choice in json.loads(line[6:]).get("choices") or []:
+                    text += (choice.get("delta") or {}).get("content") or ""
+                    finish = choice.get("finish_reason") or finish
+    return text, finish
+
+
+def test_stop_strings_end_streams_as_plain(server):
+    """Stop strings met inside a round end the stream where plain decoding ends it, with the same
+    text — those across a token boundary too, which oMLX 0.6.x finds in the detokenized text
+    while the round's later tokens are still to be read."""
+    from transformers import AutoTokenizer
+
+    url, log_path = server
+    tokenizer = AutoTokenizer.from_pretrained(log_path.parent / "base" / "models" / "demo-plain")
+    prompt = PROMPTS[0]
+    full, _ = chat(url, "demo-plain", prompt, max_tokens=100)
+    pieces = [tokenizer.decode([t]) for t in tokenizer.encode(full, add_special_tokens=False)]
+    # A piece's last character and the next one's first: first met a few tokens into the answer.
+    stops = {a[-1] + b[0] for a, b in zip(pieces[2:40], pieces[3:41]) if a.strip() and b.strip()}
+    stops = sorted(stop for stop in stops if full.find(stop) >= 4)
+    assert len(stops) >= 6, (full, pieces)
+    ends = []
+    for stop in stops:
+        expected = streamed_with_stop(url, "demo-plain", prompt, stop)
+        assert streamed_with_stop(url, "demo-mtp", prompt, stop) == expected, stop
+        ends.append(expected[1])
+    if HOST != "0.3.8":  # 0.3.8 matches stop strings only as whole tokens
+        assert ends == ["stop"] * len(stops), list(zip(stops, ends))

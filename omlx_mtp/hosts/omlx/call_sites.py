@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..settings import ENGINE_HOST, ENGINE_PLUGIN
 from . import host_switches
+from .response_waves import process_in_waves
 from .turboquant import note_turboquant
 
 log = logging.getLogger("omlx_mtp.hosts.omlx")
@@ -147,6 +148,7 @@ def attach_decode_strategy(scheduler, model, model_path: str, model_id: str | No
     if strategy is not None:
         describe = getattr(strategy, "describe", lambda: "")()
         log.info("omlx-mtp: %s decodes with %s (%s)", model_id, strategy.name, describe)
+        process_in_waves(scheduler)  # several tokens per request per step, read as the host reads them
         try:  # a note must never keep the model from serving
             turboquant = note_turboquant(scheduler, model_id)
             if turboquant is not None and hasattr(getattr(strategy, "stats", None), "note"):

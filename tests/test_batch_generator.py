@@ -70,6 +70,7 @@ def run(generator, model, requests, insert_at=None, remove_at=None):
             tokens = requests[i].setdefault("_tokens", [])
             tokens.append(response.token)
             if response.finish_reason is not None:
+                requests[i]["_match"] = getattr(response, "match_sequence", None)  # the stop sequence met
                 results[i] = (tokens, response.finish_reason, response.prompt_cache)
                 generator.remove([response.uid])
         for i, at in (remove_at or {}).items():
@@ -82,7 +83,7 @@ def run(generator, model, requests, insert_at=None, remove_at=None):
 
 
 def fresh(requests):
-    return [{k: v for k, v in r.items() if k != "_tokens"} for r in copy.deepcopy(requests, memo={})]
+    return [{k: v for k, v in r.items() if not k.startswith("_")} for r in copy.deepcopy(requests, memo={})]
 
 
 def plain_generator(model):
@@ -143,10 +144,15 @@ def test_stop_sequences_abort_and_max_tokens(pair_31b, plain_runs):
     requests[0]["stops"] = [[stop]]  # stops at its 10th token (or earlier, if it came before)
     requests[1]["stops"] = [list(plain[1][0][4:6])]  # a two-token stop sequence
     requests[2]["max_tokens"] = 7
-    reference = run(plain_generator(pair.model), pair.model, fresh(requests))
+    plain_requests, mtp_requests = fresh(requests), fresh(requests)
+    reference = run(plain_generator(pair.model), pair.model, plain_requests)
     continuations = {tuple(r["prompt"]): tokens for r, (tokens, _, _) in zip(requests, plain)}
     drafter = OracleDrafter(continuations, pair.spec.vocab_size, error_rate=0.1, seed=1)
-    ours = run(mtp_generator(pair, drafter, K=4), pair.model, fresh(requests), remove_at={3: 2})
+    ours = run(mtp_generator(pair, drafter, K=4), pair.model, mtp_requests, remove_at={3: 2})
+    # Where mlx-lm reports the stop sequence met (0.31's state machines; hosts strip its text), so do we.
+    if stops([[0]])[0] == "state_machines":
+        assert tuple(plain_requests[1]["_match"]) == tuple(plain[1][0][4:6])
+        assert [r.get("_match") for r in mtp_requests] == [r.get("_match") for r in plain_requests]
     assert reference[0][1] == "stop" and reference[0][0][-1] == stop
     assert reference[1][1] == "stop" and reference[2][1] == "length" and len(reference[2][0]) == 7
     for i in (0, 1, 2, 4, 5):

@@ -63,6 +63,7 @@ class MTPBatchGenerator:
         self._pending: deque = deque()
         self._uid_count = 0
         self._rows: dict[int, Any] = {}  # uid -> RowState of requests running here
+        self._machines: dict[int, list] = {}  # uid -> [stop-sequence state machine, its state] (reported)
         self.totals = DecodeStats()  # all finished MTP requests together
         self.counters = counters if counters is not None else MTPCounters()
         self._serial = self.counters.generator_started()
@@ -86,6 +87,8 @@ class MTPBatchGenerator:
                 sampler=samplers[i] if samplers else None,
                 processors=list(logits_processors[i]) if logits_processors else list(self.default_processors),
                 stops=stops, params=sampling_params[i] if sampling_params else None, sparse=sparse))
+            if hasattr(stops, "make_state"):
+                self._machines[self._uid_count] = [stops, stops.make_state()]
             uids.append(self._uid_count)
             self._uid_count += 1
         return uids
@@ -113,6 +116,8 @@ class MTPBatchGenerator:
     def remove(self, uids, return_prompt_caches=False):
         uids = set(uids)
         out = self.extract_cache(uids) if return_prompt_caches else {}
+        for uid in uids:
+            self._machines.pop(uid, None)
         self._pending = deque(p for p in self._pending if p.uid not in uids)
         self._retire([self._rows[uid] for uid in uids if uid in self._rows])
         plain = [self._to_plain.pop(uid) for uid in uids if uid in self._to_plain]
@@ -232,11 +237,24 @@ class MTPBatchGenerator:
     def _responses(self, row, tokens: list[int], logits, slot: int) -> list:
         emitted = list(tokens) + ([row.stop_token] if row.stop_token is not None else [])
         out = [self._response(row.uid, token, log_softmax(logits[slot, i]), None) for i, token in enumerate(emitted)]
+        self._report_matches(row.uid, out)
         if row.finish_reason is not None and out:
             out[-1].finish_reason = row.finish_reason
             if row in self.batch.rows:
                 self._attach_cache(out[-1], row, self.batch.final_cache(row))
         return out
+
+    def _report_matches(self, uid: int, responses: list) -> None:
+        """Each response's ``match_sequence`` / ``current_state``, as mlx-lm's loop reports them from
+        the request's ``SequenceStateMachine``: hosts read them to hold back and strip a stop
+        sequence's text (oMLX 0.6.x), and for reasoning and tool-call states (mlx-lm's server)."""
+        machine = self._machines.get(uid)
+        if machine is None:
+            return
+        for response in responses:
+            machine[1], response.match_sequence, response.current_state = machine[0].match(machine[1], response.token)
+            if response.finish_reason is not None:
+                self._machines.pop(uid, None)
 
     def _attach_cache(self, response, row, cache) -> None:
         response.prompt_cache = self.decoder.to_host(cache)

@@ -139,15 +139,12 @@ class ServerMTPBatchGenerator(MTPBatchGenerator):
     """``MTPBatchGenerator`` with the rest of the API mlx-lm's server drives: ``insert_segments``
     (a prompt in segments is prefilled a chunk per step, each segment's end reported, its cache
     there handed out by ``extract_cache``: ``prompt_segments``), ``next()`` as (prompt progress,
-    generation responses), ``prompt_cache_nbytes``, and, for 0.31.3's handler, each response's
-    ``current_state`` / ``match_sequence`` from the request's ``SequenceStateMachine`` (reasoning,
-    tool calls and stop sequences read them)."""
+    generation responses), and ``prompt_cache_nbytes``."""
 
     def __init__(self, decoder, plain_factory, **kwargs):
         super().__init__(decoder, plain_factory, **kwargs)
         self._stream = kwargs.get("stream")
         self._prefill_step = kwargs.get("prefill_step_size") or 2048
-        self._machines: dict[int, list] = {}  # uid -> [state machine, its state] (0.31.3)
         self._staged: deque = deque()  # StagedPrompt: prompts in segments, prefilled a chunk per step
 
     def insert_segments(self, segments, max_tokens=None, caches=None, all_tokens=None, samplers=None,
@@ -171,8 +168,6 @@ class ServerMTPBatchGenerator(MTPBatchGenerator):
                 sampling_params=[getattr(sampler, "sampling_params", None)])
             if len(parts) > 1:  # segment ends to report: taken from the queue, prefilled chunk by chunk
                 self._staged.append(StagedPrompt(self._pending.pop(), parts[:-1], parts[-1]))
-            if state_machines:
-                self._machines[uid] = [state_machines[i], state_machines[i].make_state()]
             uids.append(uid)
         return uids
 
@@ -180,12 +175,6 @@ class ServerMTPBatchGenerator(MTPBatchGenerator):
         with mx.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
             responses = self.next_generated()  # decoding first, as mlx-lm's generator does
             progress = self._prefill_staged()
-        for response in responses:
-            machine = self._machines.get(response.uid)
-            if machine is not None:
-                machine[1], response.match_sequence, response.current_state = machine[0].match(machine[1], response.token)
-            if response.finish_reason is not None:
-                self._machines.pop(response.uid, None)
         return progress, responses
 
     def _prefill_staged(self) -> list:
@@ -222,8 +211,6 @@ class ServerMTPBatchGenerator(MTPBatchGenerator):
         return out
 
     def remove(self, uids, return_prompt_caches=False):
-        for uid in uids:
-            self._machines.pop(uid, None)
         out = super().remove(uids, return_prompt_caches)  # its extract_cache is this class's
         gone = set(uids)
         self._staged = deque(s for s in self._staged if s.pending.uid not in gone)

@@ -83,7 +83,7 @@ def main() -> int:
 
         LiveBatch.round = dying
     if args.die_in_prefill is not None and ranks.rank == 1:
-        prefill, prompts_seen = SpeculativeDecoder._prefill_one, [0]
+        prefill, prompts_seen = SpeculativeDecoder.prefill_one, [0]
 
         def dying_in_prefill(self, *a, **k):
             prompts_seen[0] += 1
@@ -91,7 +91,7 @@ def main() -> int:
                 os.kill(os.getpid(), signal.SIGKILL)
             return prefill(self, *a, **k)
 
-        SpeculativeDecoder._prefill_one = dying_in_prefill
+        SpeculativeDecoder.prefill_one = dying_in_prefill
     model, _, _ = load_target(args.model, with_tokenizer=False, sharding=args.sharding)
     target = wrap_target(model)
     drafter = load_merged_drafter(args.model, target)

@@ -140,11 +140,11 @@ def test_a_prompt_prefilled_in_parts_leaves_the_caches_one_prefill_leaves(qwen):
     _, target, head = qwen
     decoder = SpeculativeDecoder(target, head, draft_tokens=3, prefill_step=5)
     prompt = [t for s in segmented(qwen, 50) for t in s]
-    whole, hidden, logits = decoder._prefill_one(prompt, 4)
+    whole, hidden, logits = decoder.prefill_one(prompt, 4)
     cache = decoder.make_cache(1, slack=decoder.prefill_slack(4))
     previous = decoder.prefill_part(prompt[:19], cache)
     previous = decoder.prefill_part(prompt[19:42], cache, previous, settle=True)
-    parts, part_hidden, part_logits = decoder._prefill_one(prompt[42:], 4, cache=cache, previous=previous)
+    parts, part_hidden, part_logits = decoder.prefill_one(prompt[42:], 4, cache=cache, previous=previous)
     assert mx.allclose(hidden, part_hidden, atol=1e-5).item() and mx.allclose(logits, part_logits, atol=1e-4).item()
     assert caches.lengths_of(parts) == caches.lengths_of(whole)
     for a, b in zip(caches.tables_of(parts), caches.tables_of(whole)):

@@ -83,7 +83,7 @@ def inspect_checkpoint(directory: str | Path) -> dict:
                              "layers": qwen3_5_mtp.head_layers(config), "hidden_size": text.get("hidden_size"),
                              "problems": []}
         if not any(n.startswith(qwen3_5_mtp.PREFIXES) for n in infos):
-            key = qwen3_5_mtp._layers_key(config)
+            key = qwen3_5_mtp.layers_key(config)
             promise = (f"config.json promises a built-in MTP head ({key})" if key in text
                        else "a Qwen3-Next checkpoint carries a built-in MTP head")
             report["drafter"]["problems"].append(

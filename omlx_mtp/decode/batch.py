@@ -4,17 +4,44 @@ deepest depth a row asked for, or runs a pipelined stretch of plain steps when n
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import mlx.core as mx
 
 from . import cache as caches
-from .controller import DepthController
+from .controller import AcceptanceMemory, DepthController, RoundCosts
 from .processors import RowProcessors
 from .requests import Request, RowState
+from .sampling import SamplingParams
 
-if TYPE_CHECKING:
-    from .loop import SpeculativeDecoder
+
+class RoundEngine(Protocol):
+    """What a live batch asks of the decoder (``loop.SpeculativeDecoder``): the public round API.
+    The batch owns its rows and policy state; the decoder owns the models and their caches."""
+
+    drafter: Any
+    target: Any
+    max_draft_tokens: int
+    min_acceptance: float
+    batch_controllers: dict
+    timeline: list | None
+
+    @property
+    def traces_made(self) -> int: ...
+
+    def round_costs(self, batch_size: int, max_depth: int, context: int = 0) -> RoundCosts: ...
+
+    def acceptance_memory(self, params: SamplingParams) -> AcceptanceMemory: ...
+
+    def process_logits(self, rows, logits: mx.array, drafts: mx.array | None = None, caps=None) -> mx.array: ...
+
+    def sample_rows(self, rows, logits: mx.array, key) -> mx.array: ...
+
+    def run_round(self, rows, cache, bonus, hidden, K: int, key, caps: list[int] | None = None): ...
+
+    def absorb_stretch(self, cache: list, fed: list) -> None: ...
+
+    def cache_at(self, cache: list, pending: mx.array, length: int) -> list: ...
 
 
 class Round(NamedTuple):
@@ -41,7 +68,7 @@ class LiveBatch:
 
     max_plain_stretch = 8  # plain steps per round: one host sync per stretch; a controller may end it early
 
-    def __init__(self, decoder: "SpeculativeDecoder", draft_tokens: int | str, seed: int | None = None):
+    def __init__(self, decoder: RoundEngine, draft_tokens: int | str, seed: int | None = None):
         self.decoder = decoder
         self.auto = draft_tokens == "auto"
         depth = decoder.max_draft_tokens if self.auto else int(draft_tokens)
@@ -80,8 +107,8 @@ class LiveBatch:
         (the last prompt position), then let the unfinished ones join the batch."""
         for row, length in zip(rows, caches.lengths_of(cache)):
             row.prompt_length = length
-        logits = self.decoder._process(rows, logits[:, -1:])
-        bonus = self.decoder._sample_rows(rows, logits[:, 0], self._split_key())
+        logits = self.decoder.process_logits(rows, logits[:, -1:])
+        bonus = self.decoder.sample_rows(rows, logits[:, 0], self._split_key())
         first = bonus.tolist()
         new = []
         for row, token in zip(rows, first):
@@ -200,7 +227,7 @@ class LiveBatch:
         if K == 0 and not any(row.processors.stateful for row in rows):
             return self._plain_stretch(min(self.max_plain_stretch, remaining, *(row.until_snapshot for row in rows)))
         started, traces = time.perf_counter(), self.decoder.traces_made
-        drafts, n, bonus, hidden, self.logits = self.decoder._round(
+        drafts, n, bonus, hidden, self.logits = self.decoder.run_round(
             rows, self.cache, self.bonus, self.hidden, K, self._split_key(), caps)
         drafts_host, n_host, bonus_host = drafts.tolist(), n.tolist(), bonus.tolist()
         seconds, traced = self._settle(*self._timing(started, traces), [len(rows), *caps, *n_host, *bonus_host])
@@ -233,8 +260,8 @@ class LiveBatch:
             fed.append((bonus[:, None], hidden))  # (token, hidden state before it), for a drafter's own cache
             logits, hidden = decoder.target.forward(bonus[:, None], self.cache)
             caches.advance(self.cache, 1)
-            logits = decoder._process(rows, logits)
-            bonus = decoder._sample_rows(rows, logits[:, 0], self._split_key())
+            logits = decoder.process_logits(rows, logits)
+            bonus = decoder.sample_rows(rows, logits[:, 0], self._split_key())
             mx.async_eval(bonus, hidden)
             steps.append((bonus, logits))
             for r, row in enumerate(rows):
@@ -242,7 +269,7 @@ class LiveBatch:
                     row.history = mx.concatenate([row.history, bonus[r : r + 1]])
             if len(steps) == limit or not self._still_plain():
                 break
-        decoder._absorb_stretch(self.cache, fed)
+        decoder.absorb_stretch(self.cache, fed)
         tokens = mx.stack([b for b, _ in steps], axis=1).tolist()
         self.logits = mx.concatenate([l for _, l in steps], axis=1)
         seconds, traced = self._settle(*self._timing(started, traces, len(steps)),

@@ -69,7 +69,7 @@ class SlotTable:
             return self._plan[1]
         if self.capacity is not None and L > self.capacity - self.window:
             raise ValueError(f"a forward of {L} tokens needs slack >= {L} in a sliding cache")
-        positions = _pad_axis(self.positions, self.size_for(L, current), 1, -1)
+        positions = pad_axis(self.positions, self.size_for(L, current), 1, -1)
         start = self.contiguous_start(L)
         if start is not None:  # every row writes the same run of slots: a slice, few ops per step
             n = self.lengths[0]
@@ -146,7 +146,7 @@ class SlotTable:
         base = mx.array(self.lengths, dtype=mx.int32)[:, None] - new_capacity
         wanted = base + mx.remainder(mx.arange(new_capacity, dtype=mx.int32)[None] - base, new_capacity)
         old_slots = mx.remainder(wanted, self.capacity)
-        held = mx.take_along_axis(_pad_axis(self.positions, self.capacity, 1, -1), old_slots, axis=1)
+        held = mx.take_along_axis(pad_axis(self.positions, self.capacity, 1, -1), old_slots, axis=1)
         self.positions = mx.where((wanted >= 0) & (held == wanted), wanted, -1)
         self.capacity = new_capacity
         return old_slots
@@ -167,7 +167,7 @@ class SlotTable:
         out.shifts = [n for t in tables for n in t.shifts]
         out.complete = all(t.complete for t in tables)
         size = max(t.positions.shape[1] for t in tables)
-        out.positions = mx.concatenate([_pad_axis(t.positions, size, 1, -1) for t in tables], axis=0)
+        out.positions = mx.concatenate([pad_axis(t.positions, size, 1, -1) for t in tables], axis=0)
         return out
 
     def select(self, rows: list[int]) -> "SlotTable":
@@ -202,11 +202,11 @@ class PositionalKVCache:
     def empty(self) -> bool:
         return self.keys is None
 
-    def _size(self) -> int:
+    def allocated(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        return self.table.make_mask(N, self._size(), window_size, as_array=return_array)
+        return self.table.make_mask(N, self.allocated(), window_size, as_array=return_array)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         B, H, L, _ = keys.shape
@@ -214,13 +214,13 @@ class PositionalKVCache:
             self.keys = mx.zeros((B, H, 0, keys.shape[-1]), keys.dtype)
             self.values = mx.zeros((B, H, 0, values.shape[-1]), values.dtype)
         table = self.table
-        current = self._size()
+        current = self.allocated()
         slots, positions = table.plan(L, current)
         end = table.fetch_size(L, current)
         table.positions = positions  # the same for every layer of this type in this forward
         size = table.size_for(L, current)
-        self.keys = _scatter_rows(_pad_axis(self.keys, size, 2, 0), slots, keys, table)
-        self.values = _scatter_rows(_pad_axis(self.values, size, 2, 0), slots, values, table)
+        self.keys = _scatter_rows(pad_axis(self.keys, size, 2, 0), slots, keys, table)
+        self.values = _scatter_rows(pad_axis(self.values, size, 2, 0), slots, values, table)
         if end == self.keys.shape[2]:
             return self.keys, self.values
         return self.keys[:, :, :end], self.values[:, :, :end]
@@ -307,9 +307,9 @@ def stack_caches(per_row: list[list]) -> list:
             tables[id(cache.table)] = SlotTable.stack([caches[layer].table for caches in per_row])
         merged = PositionalKVCache(tables[id(cache.table)])
         if cache.keys is not None:
-            size = max(caches[layer]._size() for caches in per_row)
-            merged.keys = mx.concatenate([_pad_axis(c[layer].keys, size, 2, 0) for c in per_row], axis=0)
-            merged.values = mx.concatenate([_pad_axis(c[layer].values, size, 2, 0) for c in per_row], axis=0)
+            size = max(caches[layer].allocated() for caches in per_row)
+            merged.keys = mx.concatenate([pad_axis(c[layer].keys, size, 2, 0) for c in per_row], axis=0)
+            merged.values = mx.concatenate([pad_axis(c[layer].values, size, 2, 0) for c in per_row], axis=0)
         out.append(merged)
     return out
 
@@ -341,7 +341,7 @@ def _scatter_rows(buffer: mx.array, slots: mx.array, new: mx.array, table: SlotT
     return mx.put_along_axis(buffer, index, new, axis=2)
 
 
-def _pad_axis(x: mx.array, size: int, axis: int, value) -> mx.array:
+def pad_axis(x: mx.array, size: int, axis: int, value) -> mx.array:
     if x.shape[axis] >= size:
         return x
     shape = list(x.shape)

@@ -18,7 +18,7 @@ from functools import partial
 
 import mlx.core as mx
 
-from .cache import PositionalKVCache, _pad_axis, tables_of
+from .cache import PositionalKVCache, pad_axis, tables_of
 
 
 def compiled_forward_exact() -> bool:
@@ -97,14 +97,14 @@ class CompiledForward:
         self._layout = [table_index[id(c.table)] for c in cache]
         per_table = []
         for table in tables:
-            current = next(c._size() for c in cache if c.table is table)
+            current = next(c.allocated() for c in cache if c.table is table)
             size = table.size_for(L, current, geometric=True)
             slots, positions = table.plan(L, size)
             per_table += [slots, table.mask_over(positions, L, size)]
             table.positions = positions
             for c in cache:
                 if c.table is table and current < size:
-                    c.keys, c.values = _pad_axis(c.keys, size, 2, 0), _pad_axis(c.values, size, 2, 0)
+                    c.keys, c.values = pad_axis(c.keys, size, 2, 0), pad_axis(c.values, size, 2, 0)
         offsets = mx.array(tables_of(cache)[0].rope_offsets(), dtype=mx.int32)
         buffers = [a for c in cache for a in (c.keys, c.values)]
         logits, hidden, *buffers = self.traces(tokens, offsets, *per_table, *buffers)

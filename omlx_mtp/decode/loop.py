@@ -127,14 +127,14 @@ class SpeculativeDecoder:
         for key, request in zip(keys, requests):
             firsts.setdefault(key, request)
         index = {key: i for i, key in enumerate(firsts)}
-        done = [self._prefill_one(list(r.prompt), slack, embeddings=r.embeddings) for r in firsts.values()]
+        done = [self.prefill_one(list(r.prompt), slack, embeddings=r.embeddings) for r in firsts.values()]
         pick = [index[key] for key in keys]
         cache = caches.stack_caches([done[j][0] for j in pick]) if len(pick) > 1 else done[0][0]
         hidden = mx.concatenate([done[j][1] for j in pick], axis=0)
         logits = mx.concatenate([done[j][2] for j in pick], axis=0)
         return cache, hidden, logits
 
-    def _prefill_one(self, prompt: list[int], slack: int, cache=None, embeddings: PromptEmbeddings | None = None,
+    def prefill_one(self, prompt: list[int], slack: int, cache=None, embeddings: PromptEmbeddings | None = None,
                      previous: mx.array | None = None):
         """Run the prompt through the target (into ``cache`` when given, which must have room for
         a chunk: ``prefill_slack``); returns the cache with ``slack``, last hidden and logits.
@@ -218,7 +218,7 @@ class SpeculativeDecoder:
             for table in caches.tables_of(own):
                 table.forget(start)
 
-    def _absorb_stretch(self, cache: list, fed: list) -> None:
+    def absorb_stretch(self, cache: list, fed: list) -> None:
         """A plain stretch's (token, hidden) pairs into the drafter's own cache in one forward, not
         one per step: a head's K/V at a position depend on that position's input alone, so one
         forward of the stretch writes what the steps would have, for the cost of about one step.
@@ -257,7 +257,7 @@ class SpeculativeDecoder:
     def prefill_slack(self, slack: int) -> int:
         return max(slack, self.prefill_step)
 
-    def _sample_rows(self, rows, logits, key) -> mx.array:
+    def sample_rows(self, rows, logits, key) -> mx.array:
         """[B, V] processed logits -> one token per row, as plain decoding would draw it."""
         tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
         sampled = [i for i, row in enumerate(rows) if not row.request.params.greedy]
@@ -276,7 +276,7 @@ class SpeculativeDecoder:
         draws = {r: rows[r].sampler(log_softmax(logits[r : r + 1])).reshape(-1).astype(mx.int32) for r in own}
         return mx.concatenate([draws[r] if r in draws else tokens[r : r + 1] for r in range(len(rows))])
 
-    def _round(self, rows: list[RowState], cache, bonus, hidden, K: int, key, caps: list[int] | None = None):
+    def run_round(self, rows: list[RowState], cache, bonus, hidden, K: int, key, caps: list[int] | None = None):
         """One round at depth K; row r keeps at most caps[r] drafts.  Returns drafts, accepted
         counts, next bonus tokens, the hidden state at the last kept position, processed logits."""
         draft_key, accept_key = mx.random.split(key)
@@ -287,7 +287,7 @@ class SpeculativeDecoder:
         verify = mx.concatenate([bonus[:, None], drafts], axis=1)
         logits, verify_hidden = self.target.forward(verify, cache)
         self._absorb(cache, verify, mx.concatenate([hidden, verify_hidden[:, :-1]], axis=1))
-        logits = self._process(rows, logits, drafts, caps)
+        logits = self.process_logits(rows, logits, drafts, caps)
         n, nxt, new_hidden = self._accept(rows, drafts, q, logits, verify_hidden, accept_key,
                                           caps if caps is not None else [K] * len(rows))
         nxt = self._host_sampled(rows, logits[:, 0], nxt)  # such rows keep no drafts (caps 0)
@@ -347,9 +347,9 @@ class SpeculativeDecoder:
             def step(token, h, step_key, mask):
                 extra = () if mask is None else (mask,)
                 if sampled:
-                    return self._sampled_step(mask is not None)(
+                    return self.sampled_step(mask is not None)(
                         token, h, query_position, temp, is_greedy, step_key, *extra, *context)
-                best, h = self._greedy_step(mask is not None)(token, h, query_position, *extra, *context)
+                best, h = self.greedy_step(mask is not None)(token, h, query_position, *extra, *context)
                 return best, None, h
         token, h = bonus[:, None], hidden
         drafts, qs, drafted = [], [], [[] for _ in rows]
@@ -394,7 +394,7 @@ class SpeculativeDecoder:
         logits, h = self.drafter(self.target.input_embedding(token), h, shared_kv, masks, position)
         return logits[:, -1], h
 
-    def _greedy_step(self, masked: bool):
+    def greedy_step(self, masked: bool):
         def step(token, h, position, *context):
             mask, context = (context[0], context[1:]) if masked else (None, context)
             logits, h = self._drafter_logits(token, h, position, context)
@@ -404,7 +404,7 @@ class SpeculativeDecoder:
 
         return self._traced(("greedy-step", masked), step)
 
-    def _sampled_step(self, masked: bool):
+    def sampled_step(self, masked: bool):
         def step(token, h, position, temp, is_greedy, key, *context):
             mask, context = (context[0], context[1:]) if masked else (None, context)
             logits, h = self._drafter_logits(token, h, position, context)
@@ -433,7 +433,7 @@ class SpeculativeDecoder:
         forward = self.target.compiled.traces.made if self.target.compiled is not None else 0
         return forward + self._retired_traces + sum(c.made for c in self._trace_caches.values())
 
-    def _process(self, rows, logits: mx.array, drafts: mx.array | None = None, caps=None) -> mx.array:
+    def process_logits(self, rows, logits: mx.array, drafts: mx.array | None = None, caps=None) -> mx.array:
         """Apply each row's logits processors at every position it may keep (logits [B, L, V];
         position i follows the row's history and its first i drafts)."""
         if not any(row.processors for row in rows):

@@ -89,7 +89,7 @@ class NextnLayer(nn.Module):
     def make_cache(self, batch_size: int, slack: int) -> list:
         return caches.make_caches([None] * self.caches_per_layer, batch_size, slack)
 
-    def _run(self, target, tokens: mx.array, hidden: mx.array, cache: list) -> mx.array:
+    def run_pairs(self, target, tokens: mx.array, hidden: mx.array, cache: list) -> mx.array:
         embedded = self.embed_tokens(tokens) if self.own_embedding else target.input_embedding(tokens)
         x = self.eh_proj(mx.concatenate([self.enorm(embedded), self.hnorm(hidden)], axis=-1))
         mask = create_attention_mask(x, cache[0], return_array=True)  # MLA layers take only arrays
@@ -98,11 +98,11 @@ class NextnLayer(nn.Module):
     def absorb(self, target, cache: list, tokens: mx.array, hidden: mx.array) -> None:
         """Write the pairs (hidden[:, i], tokens[:, i]) at the committed lengths onwards (the
         caller commits them); the logits are never computed."""
-        self._run(target, tokens, hidden, cache)
+        self.run_pairs(target, tokens, hidden, cache)
 
     def step(self, target, token: mx.array, h: mx.array, cache: list):
         """One draft step at the cache's lengths: (logits [B, V], next h [B, 1, H])."""
-        x = self._run(target, token, h, cache)
+        x = self.run_pairs(target, token, h, cache)
         out = self.shared_head.norm(x)
         logits = self.shared_head.head(out) if self.own_head else target.head(out)
         return logits[:, -1], out if self.chain == "normed" else x

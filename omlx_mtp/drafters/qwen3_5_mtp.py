@@ -45,13 +45,13 @@ NORMS = ("pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weig
 def head_layers(config: dict) -> int:
     """MTP layers a Qwen3.5 / Qwen3-Next config promises (0: none)."""
     text = config.get("text_config") or config
-    count = text.get(_layers_key(config))
+    count = text.get(layers_key(config))
     if count is None and text.get("model_type", config.get("model_type")) == "qwen3_next":
         return 1  # a Qwen3-Next config need not count it: every release has one (vLLM's default too)
     return int(count or 0)
 
 
-def _layers_key(config: dict) -> str:
+def layers_key(config: dict) -> str:
     """The config entry that counts the head's layers: Qwen3.5's spelling, or Qwen3-Next's."""
     text = config.get("text_config") or config
     return "mtp_num_hidden_layers" if text.get("mtp_num_hidden_layers") is not None else "num_nextn_predict_layers"
@@ -82,7 +82,7 @@ class Qwen35MTPHead(nn.Module):
     def make_cache(self, batch_size: int, slack: int) -> list:
         return caches.make_caches([None] * len(self.layers), batch_size, slack)
 
-    def _run(self, target, tokens: mx.array, hidden: mx.array, cache: list) -> mx.array:
+    def run_pairs(self, target, tokens: mx.array, hidden: mx.array, cache: list) -> mx.array:
         embedded = self.pre_fc_norm_embedding(target.input_embedding(tokens))
         x = self.fc(mx.concatenate([embedded, self.pre_fc_norm_hidden(hidden)], axis=-1))
         mask = create_attention_mask(x, cache[0])
@@ -93,11 +93,11 @@ class Qwen35MTPHead(nn.Module):
     def absorb(self, target, cache: list, tokens: mx.array, hidden: mx.array) -> None:
         """Write the pairs (hidden[:, i], tokens[:, i]) at the committed lengths onwards (the
         caller commits them); the logits are never computed."""
-        self._run(target, tokens, hidden, cache)
+        self.run_pairs(target, tokens, hidden, cache)
 
     def step(self, target, token: mx.array, h: mx.array, cache: list):
         """One draft step at the cache's lengths: (logits [B, V], next h [B, 1, H])."""
-        out = self._run(target, token, h, cache)
+        out = self.run_pairs(target, token, h, cache)
         return target.head(out)[:, -1], out
 
 
@@ -107,7 +107,7 @@ def load_built_in_head(model_dir: str | Path, target) -> Qwen35MTPHead:
     directory = Path(model_dir)
     config = read_config(directory)
     where = f"{directory}"
-    layers, key = head_layers(config), _layers_key(config)
+    layers, key = head_layers(config), layers_key(config)
     text = config.get("text_config") or config
     promise = (f"config.json promises an MTP head ({key}: {layers})" if key in text
                else "a Qwen3-Next checkpoint carries an MTP head (every release has one)")

@@ -161,7 +161,7 @@ class MTPBatchGenerator:
     def _admit(self, p: "_Pending") -> list:
         decoder, batch, sparse = self.decoder, self.batch, p.sparse
         try:
-            cache = p.ours if p.ours is not None else self._own_cache(p)
+            cache = p.ours if p.ours is not None else self.own_cache_for(p)
         except MTPError as exc:
             log.info("omlx-mtp: request uid %d decodes plain: %s", p.uid, exc)
             sparse.put_back()  # the host's own loop positions it through the wrappers
@@ -179,7 +179,7 @@ class MTPBatchGenerator:
         if row.processors.opaque:
             log.info("omlx-mtp: request uid %d takes one token per round: logits processor %s keeps state "
                      "that can't be rolled back", p.uid, type(row.processors.opaque[0]).__name__)
-        cache, hidden, logits = decoder._prefill_one(p.prompt, batch.max_depth + 1, cache=cache, previous=p.previous)
+        cache, hidden, logits = decoder.prefill_one(p.prompt, batch.max_depth + 1, cache=cache, previous=p.previous)
         tokens = batch.start([row], cache, hidden, logits)[0]
         out = self._responses(row, tokens, batch.first_logits, 0)
         if row.finish_reason is None:
@@ -190,7 +190,7 @@ class MTPBatchGenerator:
             self._attach_cache(out[-1], row, decoder.cache_at(cache, first, row.cache_length))
         return out
 
-    def _own_cache(self, p: "_Pending") -> list:
+    def own_cache_for(self, p: "_Pending") -> list:
         """This loop's cache for a request about to prefill: its host cache (a prompt-cache hit)
         taken over, or a new one.  MTPError where this loop can't hold the host's cache."""
         slack = self.decoder.prefill_slack(self.batch.max_depth + 1)

@@ -190,7 +190,7 @@ class ServerMTPBatchGenerator(MTPBatchGenerator):
             return [PromptProgress(uid, (staged.total, staged.total), True, True)]
         if staged.cache is None:
             try:
-                staged.cache = self._own_cache(staged.pending)
+                staged.cache = self.own_cache_for(staged.pending)
             except MTPError:  # its admission falls back to the host's loop and says why
                 self._staged.popleft()
                 self._pending.append(staged.pending)

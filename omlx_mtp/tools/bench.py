@@ -67,10 +67,10 @@ def component_costs(session: Session, prompt: list[int], K: int, batch: int = 1,
                         mx.random.key(0))
 
             def draft():  # one sampled draft step, compiled as the loop runs it
-                mx.eval(*decoder._sampled_step(False)(token, h_prev, position, *sampling, *context))
+                mx.eval(*decoder.sampled_step(False)(token, h_prev, position, *sampling, *context))
         else:
             def draft():  # one greedy draft step, compiled as the loop runs it
-                mx.eval(*decoder._greedy_step(False)(token, h_prev, position, *context))
+                mx.eval(*decoder.greedy_step(False)(token, h_prev, position, *context))
 
         costs["draft_ms"] = _median_ms(draft, repeats)
     elif session.drafter is not None and hasattr(session.drafter, "make_cache"):  # a head with its own K/V

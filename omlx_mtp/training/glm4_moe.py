@@ -112,7 +112,7 @@ class Joint(nn.Module):
 def mtp_logits(layer: NextnLayer, target, hidden: mx.array, next_tokens: mx.array) -> mx.array:
     """The layer's logits at every position at once: pair i is (hidden[:, i], next_tokens[:, i]),
     causal over the pairs before it (its K/V cache's view at inference)."""
-    x = layer._run(target, next_tokens, hidden, [None])  # no cache: a causal mask over the pairs
+    x = layer.run_pairs(target, next_tokens, hidden, [None])  # no cache: a causal mask over the pairs
     return target.head(layer.shared_head.norm(x))
 
 
@@ -163,7 +163,7 @@ def balance_experts(joint: Joint, target, data: mx.array, rate: float = BALANCE_
     down for those above.  Returns the loads (fractions of choices), one list per router."""
     with recorded_routing() as chosen:
         hidden = joint.model.model(data[:, :-1])
-        joint.mtp._run(target, data[:, 1:-1], hidden[:, :-1], [None])
+        joint.mtp.run_pairs(target, data[:, 1:-1], hidden[:, :-1], [None])
         mx.eval(chosen)
     loads = []
     for gate, inds in zip(moe_gates(joint), chosen):

@@ -63,7 +63,7 @@ class MTPBatchGenerator:
         self._pending: deque = deque()
         self._uid_count = 0
         self._rows: dict[int, Any] = {}  # uid -> RowState of requests running here
-        self._machines: dict[int, list] = {}  # uid -> [stop-sequence state machine, its state] (reported)
+        self._matches: dict[int, deque] = {}  # uid -> its stop-sequence machine's word on each token, to report
         self.totals = DecodeStats()  # all finished MTP requests together
         self.counters = counters if counters is not None else MTPCounters()
         self._serial = self.counters.generator_started()
@@ -87,8 +87,6 @@ class MTPBatchGenerator:
                 sampler=samplers[i] if samplers else None,
                 processors=list(logits_processors[i]) if logits_processors else list(self.default_processors),
                 stops=stops, params=sampling_params[i] if sampling_params else None, sparse=sparse))
-            if hasattr(stops, "make_state"):
-                self._machines[self._uid_count] = [stops, stops.make_state()]
             uids.append(self._uid_count)
             self._uid_count += 1
         return uids
@@ -117,7 +115,7 @@ class MTPBatchGenerator:
         uids = set(uids)
         out = self.extract_cache(uids) if return_prompt_caches else {}
         for uid in uids:
-            self._machines.pop(uid, None)
+            self._matches.pop(uid, None)
         self._pending = deque(p for p in self._pending if p.uid not in uids)
         self._retire([self._rows[uid] for uid in uids if uid in self._rows])
         plain = [self._to_plain.pop(uid) for uid in uids if uid in self._to_plain]
@@ -167,8 +165,10 @@ class MTPBatchGenerator:
             sparse.put_back()  # the host's own loop positions it through the wrappers
             return self._insert_plain(p)
         params, sampler = _distribution(p.params, p.sampler)
+        if hasattr(p.stops, "make_state"):
+            self._matches[p.uid] = deque()
         row = batch.new_row(Request(p.all_tokens + p.prompt, params, p.max_tokens), p.processors, sampler=sampler,
-                            matcher=_matcher(p.stops, self.default_stops),
+                            matcher=_matcher(p.stops, self.default_stops, self._matches.get(p.uid)),
                             snapshot_interval=self.snapshot_interval)
         row.uid = p.uid
         self._count_admission(row)
@@ -237,24 +237,26 @@ class MTPBatchGenerator:
     def _responses(self, row, tokens: list[int], logits, slot: int) -> list:
         emitted = list(tokens) + ([row.stop_token] if row.stop_token is not None else [])
         out = [self._response(row.uid, token, log_softmax(logits[slot, i]), None) for i, token in enumerate(emitted)]
-        self._report_matches(row.uid, out)
+        self._report_matches(row, out)
         if row.finish_reason is not None and out:
             out[-1].finish_reason = row.finish_reason
             if row in self.batch.rows:
                 self._attach_cache(out[-1], row, self.batch.final_cache(row))
         return out
 
-    def _report_matches(self, uid: int, responses: list) -> None:
+    def _report_matches(self, row, responses: list) -> None:
         """Each response's ``match_sequence`` / ``current_state``, as mlx-lm's loop reports them from
         the request's ``SequenceStateMachine``: hosts read them to hold back and strip a stop
-        sequence's text (oMLX 0.6.x), and for reasoning and tool-call states (mlx-lm's server)."""
-        machine = self._machines.get(uid)
-        if machine is None:
+        sequence's text (oMLX 0.6.x), and for reasoning and tool-call states (mlx-lm's server).
+        The row's matcher ran the machine on each emitted token (the stop included) and kept what
+        it said, one entry per response here."""
+        said = self._matches.get(row.uid)
+        if said is None:
             return
         for response in responses:
-            machine[1], response.match_sequence, response.current_state = machine[0].match(machine[1], response.token)
-            if response.finish_reason is not None:
-                self._machines.pop(uid, None)
+            response.match_sequence, response.current_state = said.popleft()
+        if row.finish_reason is not None:
+            del self._matches[row.uid]
 
     def _attach_cache(self, response, row, cache) -> None:
         response.prompt_cache = self.decoder.to_host(cache)
@@ -311,9 +313,10 @@ def _rope_delta(model, uid: int) -> int:
     return int(deltas.get(uid) or 0)
 
 
-def _matcher(stops, default_stops):
+def _matcher(stops, default_stops, said: deque | None = None):
     """token -> True when a stop sequence just completed, for either mlx-lm's
-    SequenceStateMachine (0.31) or StopSequences (0.32), or a list of token sequences."""
+    SequenceStateMachine (0.31) or StopSequences (0.32), or a list of token sequences.  ``said``:
+    where a state machine's (match_sequence, current_state) for each token goes, for reporting."""
     if stops is None:
         sequences = [list(s) for s in default_stops]
         tail: list[int] = []
@@ -330,6 +333,8 @@ def _matcher(stops, default_stops):
 
         def matches(token: int) -> bool:
             state[0], sequence, current = stops.match(state[0], token)
+            if said is not None:
+                said.append((sequence, current))
             return sequence is not None and current is None
 
         return matches
